@@ -1,0 +1,1 @@
+"""Block KVCache tier: storage nodes, meta shards, placement, client, repair."""

@@ -1,0 +1,1 @@
+"""Sub-commands of ``kvstore``, one module each (discovered by ``kvstore.cli``)."""

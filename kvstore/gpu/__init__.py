@@ -1,0 +1,1 @@
+"""Engine side on the GPU: fetcher process, /dev/shm staging, layer-wise swap-in (torch lazy)."""

@@ -1,0 +1,97 @@
+"""Canonical chained keys of 128-token blocks.
+
+key(block i) = BLAKE2b-256( DOMAIN | model_fingerprint | key(block i-1) | token ids of block i )
+
+- The hash is a fixed cryptographic one (BLAKE2b, 32-byte digest), never Python's ``hash``:
+  the same tokens give the same key in any process, on any machine, whatever PYTHONHASHSEED is.
+- The chain makes a key name the whole prefix, not just its own 128 tokens, so a hit on block i
+  implies the same tokens in blocks 0..i-1.
+- The model fingerprint (preset + the numbers that shape stored bytes) is part of every key, so
+  two models never share entries. It is an argument, not a process global: nothing to initialise.
+- Token ids are hashed as little-endian uint32, so ``[1, 2]`` as a list, a tuple or a numpy
+  array all give one key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import NewType
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+
+BlockKey = NewType("BlockKey", bytes)
+
+KEY_BYTES = 32
+BLOCK_TOKENS = 128
+#: Parent of the first block of every sequence.
+ROOT_KEY = BlockKey(bytes(KEY_BYTES))
+_DOMAIN = b"kvstore.block.v1\x00"
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+def _as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    array = np.asarray(tokens)
+    if array.ndim != 1:
+        raise InvalidArgument("token_ids", f"must be one-dimensional, got shape {array.shape}")
+    if array.size == 0:
+        return array.astype("<u4")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise InvalidArgument("token_ids", f"must be integers, got dtype {array.dtype}")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high > _MAX_TOKEN_ID:
+        raise InvalidArgument(
+            "token_ids", f"must lie in [0, {_MAX_TOKEN_ID}], got values in [{low}, {high}]"
+        )
+    return array.astype("<u4", copy=False)
+
+
+def chain_key(
+    model_fingerprint: bytes, parent: BlockKey, block_tokens: Sequence[int] | np.ndarray
+) -> BlockKey:
+    """Key of one block given its parent's key and its exactly-128 token ids."""
+    tokens = _as_token_array(block_tokens)
+    if tokens.size != BLOCK_TOKENS:
+        raise InvalidArgument(
+            "block_tokens", f"a block holds exactly {BLOCK_TOKENS} tokens, got {tokens.size}"
+        )
+    check_key(parent, "parent")
+    digest = hashlib.blake2b(digest_size=KEY_BYTES)
+    digest.update(_DOMAIN)
+    digest.update(len(model_fingerprint).to_bytes(4, "little"))
+    digest.update(model_fingerprint)
+    digest.update(parent)
+    digest.update(tokens.tobytes())
+    return BlockKey(digest.digest())
+
+
+def block_keys(
+    model_fingerprint: bytes, token_ids: Sequence[int] | np.ndarray, parent: BlockKey = ROOT_KEY
+) -> list[BlockKey]:
+    """Keys of every *full* 128-token block of ``token_ids`` (a trailing partial block has none)."""
+    tokens = _as_token_array(token_ids)
+    full = tokens.size // BLOCK_TOKENS
+    keys: list[BlockKey] = []
+    for index in range(full):
+        parent = chain_key(
+            model_fingerprint, parent, tokens[index * BLOCK_TOKENS : (index + 1) * BLOCK_TOKENS]
+        )
+        keys.append(parent)
+    return keys
+
+
+def check_key(key: object, argument: str = "key") -> BlockKey:
+    """Validate that ``key`` is a 32-byte block key; returns it typed."""
+    if not isinstance(key, bytes | bytearray | memoryview):
+        raise InvalidArgument(argument, f"must be {KEY_BYTES} bytes, got {type(key).__name__}")
+    raw = bytes(key)
+    if len(raw) != KEY_BYTES:
+        raise InvalidArgument(argument, f"must be {KEY_BYTES} bytes, got {len(raw)}")
+    return BlockKey(raw)
+
+
+def key_hex(key: bytes) -> str:
+    """Short printable form for logs and error messages."""
+    return bytes(key).hex()[:16]

@@ -1,0 +1,1 @@
+"""Engine-side ledgers: paged block ledger, state slot ledger, per-sequence state block layout."""
