@@ -1,1 +1,1 @@
-"""GC of the block tier: TTL per traffic class, LRU by capacity watermarks (imported as kvstore.gc)."""
+"""GC of the block tier: TTL per traffic class, LRU by capacity watermarks."""
