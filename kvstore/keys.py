@@ -32,27 +32,40 @@ _DOMAIN = b"kvstore.block.v1\x00"
 _MAX_TOKEN_ID = 2**32 - 1
 
 
-def _as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    array = np.asarray(tokens)
+def _as_token_array(tokens: Sequence[int] | np.ndarray, argument: str = "token_ids") -> np.ndarray:
+    try:
+        array = np.asarray(tokens)
+    except (ValueError, TypeError, OverflowError) as error:
+        # Ragged nested lists and the like: numpy's own error would not name the argument.
+        raise InvalidArgument(argument, f"is not a flat sequence of integers ({error})") from None
     if array.ndim != 1:
-        raise InvalidArgument("token_ids", f"must be one-dimensional, got shape {array.shape}")
+        raise InvalidArgument(argument, f"must be one-dimensional, got shape {array.shape}")
     if array.size == 0:
         return array.astype("<u4")
     if not np.issubdtype(array.dtype, np.integer):
-        raise InvalidArgument("token_ids", f"must be integers, got dtype {array.dtype}")
+        raise InvalidArgument(argument, f"must be integers, got dtype {array.dtype}")
     low, high = int(array.min()), int(array.max())
     if low < 0 or high > _MAX_TOKEN_ID:
         raise InvalidArgument(
-            "token_ids", f"must lie in [0, {_MAX_TOKEN_ID}], got values in [{low}, {high}]"
+            argument, f"must lie in [0, {_MAX_TOKEN_ID}], got values in [{low}, {high}]"
         )
     return array.astype("<u4", copy=False)
+
+
+def _check_fingerprint(model_fingerprint: object) -> bytes:
+    if not isinstance(model_fingerprint, bytes | bytearray | memoryview):
+        raise InvalidArgument(
+            "model_fingerprint", f"must be bytes, got {type(model_fingerprint).__name__}"
+        )
+    return bytes(model_fingerprint)
 
 
 def chain_key(
     model_fingerprint: bytes, parent: BlockKey, block_tokens: Sequence[int] | np.ndarray
 ) -> BlockKey:
     """Key of one block given its parent's key and its exactly-128 token ids."""
-    tokens = _as_token_array(block_tokens)
+    fingerprint = _check_fingerprint(model_fingerprint)
+    tokens = _as_token_array(block_tokens, "block_tokens")
     if tokens.size != BLOCK_TOKENS:
         raise InvalidArgument(
             "block_tokens", f"a block holds exactly {BLOCK_TOKENS} tokens, got {tokens.size}"
@@ -60,8 +73,8 @@ def chain_key(
     check_key(parent, "parent")
     digest = hashlib.blake2b(digest_size=KEY_BYTES)
     digest.update(_DOMAIN)
-    digest.update(len(model_fingerprint).to_bytes(4, "little"))
-    digest.update(model_fingerprint)
+    digest.update(len(fingerprint).to_bytes(4, "little"))
+    digest.update(fingerprint)
     digest.update(parent)
     digest.update(tokens.tobytes())
     return BlockKey(digest.digest())
@@ -71,6 +84,8 @@ def block_keys(
     model_fingerprint: bytes, token_ids: Sequence[int] | np.ndarray, parent: BlockKey = ROOT_KEY
 ) -> list[BlockKey]:
     """Keys of every *full* 128-token block of ``token_ids`` (a trailing partial block has none)."""
+    _check_fingerprint(model_fingerprint)
+    check_key(parent, "parent")  # also when there is no full block, so a bad call always fails
     tokens = _as_token_array(token_ids)
     full = tokens.size // BLOCK_TOKENS
     keys: list[BlockKey] = []

@@ -1,0 +1,219 @@
+"""Python gRPC client of kvstore, with the shape of the in-cluster client.
+
+    with KVStoreClient("127.0.0.1:50051") as client:
+        answer = client.query_hit(token_ids=prompt, traffic_class="chatbot")
+        reads = client.get_blocks(list(answer.hit_block_keys), lease_id=answer.lease_id)
+
+Results are the same dataclasses the backend returns (``kvstore.api.backend``). A gRPC error is
+raised as ``grpc.RpcError`` with the server's status code and message (which names the field).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from kvstore.api.backend import BlockRead, HitAnswer, PutAnswer, StateRead, Stats
+from kvstore.api.server import DEFAULT_MAX_MESSAGE_BYTES
+from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.hitplan import HitPlan
+from kvstore.keys import BlockKey
+
+_MODES = {"standard": pb.HIT_MODE_STANDARD, "bounded-replay": pb.HIT_MODE_BOUNDED_REPLAY}
+_ADVICE = {pb.ADVICE_FETCH: "fetch", pb.ADVICE_REPLAY: "replay"}
+#: Blocks per PutBlocks stream message: keeps each message far below the size limit.
+_PUT_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+def _optional(value: int) -> int | None:
+    return None if value < 0 else value
+
+
+class KVStoreClient:
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        tls_root_cert: Path | None = None,
+        timeout_s: float = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if tls_root_cert is not None:
+            credentials = grpc.ssl_channel_credentials(tls_root_cert.read_bytes())
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._timeout = timeout_s
+        self.address = address
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _kw(self) -> dict[str, Any]:
+        return {"timeout": self._timeout, "metadata": self._metadata}
+
+    def query_hit(
+        self,
+        *,
+        token_ids: Sequence[int] | None = None,
+        block_keys: Sequence[bytes] | None = None,
+        prompt_len: int = 0,
+        mode: str = "standard",
+        traffic_class: str = "",
+        take_lease: bool = True,
+    ) -> HitAnswer:
+        request = pb.QueryHitRequest(
+            token_ids=list(token_ids or ()),
+            block_keys=list(block_keys or ()),
+            prompt_len=prompt_len,
+            mode=_MODES.get(mode, pb.HIT_MODE_UNSPECIFIED),
+            traffic_class=traffic_class,
+            take_lease=take_lease,
+        )
+        if mode not in _MODES:
+            raise ValueError(f"mode: must be one of {sorted(_MODES)}, got {mode!r}")
+        reply = self._stub.QueryHit(request, **self._kw())
+        plan = reply.plan
+        return HitAnswer(
+            plan=HitPlan(
+                prompt_len=plan.prompt_len,
+                mode=mode,
+                cap=plan.cap,
+                block_hit_tokens=plan.block_hit_tokens,
+                hit_tokens=plan.hit_tokens,
+                swa_hit=plan.swa_hit,
+                swa_position=_optional(plan.swa_position),
+                replay_start=_optional(plan.replay_start),
+                replay_tokens=plan.replay_tokens,
+                compute_from=plan.compute_from,
+                store_at=_optional(plan.store_at),
+            ),
+            swa_owner=plan.swa_owner or None,
+            advice=_ADVICE.get(reply.advice),
+            fetch_seconds=reply.fetch_seconds,
+            replay_seconds=reply.replay_seconds,
+            lease_id=reply.lease_id or None,
+            hit_block_keys=tuple(BlockKey(key) for key in reply.hit_block_keys),
+        )
+
+    def put_blocks(
+        self, keys: Sequence[bytes], payloads: Sequence[bytes], traffic_class: str = ""
+    ) -> PutAnswer:
+        if len(keys) != len(payloads):
+            raise ValueError(f"keys/payloads: {len(keys)} keys but {len(payloads)} payloads")
+
+        def messages() -> Iterator[Any]:
+            chunk: list[Any] = []
+            size = 0
+            first = True
+            for key, payload in zip(keys, payloads, strict=True):
+                chunk.append(pb.Block(key=bytes(key), payload=bytes(payload)))
+                size += len(payload)
+                if size >= _PUT_CHUNK_BYTES:
+                    yield pb.PutBlocksRequest(
+                        blocks=chunk, traffic_class=traffic_class if first else ""
+                    )
+                    chunk, size, first = [], 0, False
+            if chunk or first:
+                yield pb.PutBlocksRequest(
+                    blocks=chunk, traffic_class=traffic_class if first else ""
+                )
+
+        reply = self._stub.PutBlocks(messages(), **self._kw())
+        return PutAnswer(
+            committed=reply.committed,
+            failed_keys=tuple(BlockKey(key) for key in reply.failed_keys),
+        )
+
+    def get_blocks(self, keys: Sequence[bytes], lease_id: str | None = None) -> list[BlockRead]:
+        request = pb.GetBlocksRequest(keys=[bytes(key) for key in keys], lease_id=lease_id or "")
+        return [
+            BlockRead(
+                key=BlockKey(reply.key),
+                payload=reply.payload if reply.found else None,
+                miss_reason=reply.miss_reason or None,
+                degraded=reply.degraded,
+            )
+            for reply in self._stub.GetBlocks(request, **self._kw())
+        ]
+
+    def put_swa_state(
+        self, key: bytes, position: int, state: bytes, machine: str | None = None
+    ) -> str:
+        request = pb.PutSWAStateRequest(
+            key=bytes(key), position=position, state=bytes(state), machine=machine or ""
+        )
+        return str(self._stub.PutSWAState(request, **self._kw()).owner)
+
+    def get_swa_state(self, key: bytes, position: int) -> StateRead:
+        reply = self._stub.GetSWAState(
+            pb.GetSWAStateRequest(key=bytes(key), position=position), **self._kw()
+        )
+        return StateRead(
+            state=reply.state if reply.found else None,
+            owner=reply.owner or None,
+            miss_reason=reply.miss_reason or None,
+        )
+
+    def release(self, lease_id: str) -> bool:
+        reply = self._stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease_id), **self._kw())
+        return bool(reply.released)
+
+    def serving(self) -> bool:
+        """The standard ``grpc.health.v1`` check of the KVStore service."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from kvstore.api.server import SERVICE_NAME
+
+        reply = health_pb2_grpc.HealthStub(self._channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=self._timeout
+        )
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def stats(self) -> Stats:
+        reply = self._stub.GetStats(pb.GetStatsRequest(), **self._kw())
+        figures = json.loads(reply.json) if reply.json else {}
+        known = {
+            "classes",
+            "block_bytes_stored",
+            "swa_bytes_stored",
+            "degraded_reads",
+            "repairs_done",
+            "repairs_pending",
+            "live_storage_nodes",
+            "storage_nodes",
+        }
+        return Stats(
+            classes=figures.get("classes", {}),
+            block_bytes_stored=reply.block_bytes_stored,
+            swa_bytes_stored=reply.swa_bytes_stored,
+            degraded_reads=reply.degraded_reads,
+            repairs_done=reply.repairs_done,
+            repairs_pending=reply.repairs_pending,
+            live_storage_nodes=reply.live_storage_nodes,
+            storage_nodes=reply.storage_nodes,
+            extra={k: v for k, v in figures.items() if k not in known},
+        )

@@ -1,0 +1,1 @@
+"""`kvstore demo`: a synthetic day of traffic through the gRPC API, with failures injected."""
