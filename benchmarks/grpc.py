@@ -1,0 +1,213 @@
+"""QueryHit over gRPC vs Redis pipelined EXISTS, for 1,000-key requests (a 128K-token prompt).
+
+    python3 benchmarks/grpc.py                   # starts an embedded kvstore, then measures
+    python3 benchmarks/grpc.py --server H:P      # measures a running `kvstore up`
+    python3 benchmarks/grpc.py --json
+
+For concurrency 1, 16 and 64 it reports QueryHit QPS and p50/p99 latency (1,000 block keys per
+request, a lease taken and released as an engine would), and in the same run the reference a user
+would reach for: Redis (Debian `redis-server` on loopback, started and stopped here) answering
+EXISTS for the same 1,000 keys in one pipeline. Target: QueryHit p99 at concurrency 16 ≤ 20 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvstore.api.client import KVStoreClient  # noqa: E402
+from kvstore.keys import BLOCK_TOKENS, block_keys  # noqa: E402
+
+KEYS_PER_REQUEST = 1_000
+CONCURRENCY = (1, 16, 64)
+P99_TARGET_MS = 20.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def redis_server() -> Any:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield None
+        return
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as scratch:
+        process = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+             "no", "--dir", scratch],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            import redis
+
+            client = redis.Redis(host="127.0.0.1", port=port)
+            for _ in range(100):
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+            yield client
+        finally:
+            process.terminate()
+            process.wait(timeout=10)
+
+
+def run_load(call: Callable[[], None], concurrency: int, seconds: float) -> dict[str, float]:
+    """Closed-loop load: ``concurrency`` threads calling ``call`` for ``seconds``."""
+    latencies: list[list[float]] = [[] for _ in range(concurrency)]
+    deadline = time.perf_counter() + seconds
+    errors = [0]
+
+    def worker(slot: int) -> None:
+        while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            try:
+                call()
+            except Exception:
+                errors[0] += 1
+                continue
+            latencies[slot].append(time.perf_counter() - started)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    flat = np.concatenate([np.asarray(values) for values in latencies]) * 1e3
+    return {
+        "qps": round(flat.size / elapsed, 1),
+        "p50_ms": round(float(np.percentile(flat, 50)), 3) if flat.size else float("nan"),
+        "p99_ms": round(float(np.percentile(flat, 99)), 3) if flat.size else float("nan"),
+        "requests": int(flat.size),
+        "errors": errors[0],
+    }
+
+
+def measure(server: str, seconds: float, populate: bool) -> dict[str, Any]:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 128_000, KEYS_PER_REQUEST * BLOCK_TOKENS + 200, dtype=np.uint32)
+    results: dict[str, Any] = {"keys_per_request": KEYS_PER_REQUEST, "rows": []}
+    with KVStoreClient(server, timeout_s=60.0) as probe:
+        fingerprint = bytes.fromhex(probe.stats().extra.get("model_fingerprint", ""))
+    keys = block_keys(fingerprint, tokens)
+    if populate:
+        # Cache the first 600 blocks so the plan walks a real hit (and leases 600 blocks).
+        with KVStoreClient(server, timeout_s=120.0) as writer:
+            payload = bytes(4096)
+            for start in range(0, 600, 100):
+                writer.put_blocks(keys[start : start + 100], [payload] * 100, "chatbot")
+    clients = [KVStoreClient(server, timeout_s=30.0) for _ in range(8)]
+    counter = [0]
+
+    def query_hit() -> None:
+        counter[0] += 1
+        client = clients[counter[0] % len(clients)]
+        answer = client.query_hit(
+            block_keys=keys, prompt_len=int(tokens.size), traffic_class="chatbot", take_lease=True
+        )
+        if answer.lease_id:
+            client.release(answer.lease_id)
+
+    query_hit()  # warm-up
+    with redis_server() as redis_client:
+        if redis_client is not None:
+            redis_client.mset({key: b"1" for key in keys[:600]})
+
+            def redis_exists() -> None:
+                pipe = redis_client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.exists(key)
+                pipe.execute()
+
+        for concurrency in CONCURRENCY:
+            row: dict[str, Any] = {"concurrency": concurrency}
+            row["kvstore"] = run_load(query_hit, concurrency, seconds)
+            if redis_client is not None:
+                row["redis_exists_pipelined"] = run_load(redis_exists, concurrency, seconds)
+            results["rows"].append(row)
+    for client in clients:
+        client.close()
+    c16 = next(row for row in results["rows"] if row["concurrency"] == 16)
+    results["p99_c16_ms"] = c16["kvstore"]["p99_ms"]
+    results["target_p99_c16_ms"] = P99_TARGET_MS
+    results["pass"] = c16["kvstore"]["p99_ms"] <= P99_TARGET_MS
+    return results
+
+
+def print_table(results: dict[str, Any]) -> None:
+    print(f"QueryHit, {results['keys_per_request']} block keys per request (lease + release)")
+    header = (
+        f"{'conc':>4} | {'kvstore QPS':>11} {'p50 ms':>8} {'p99 ms':>8} | "
+        f"{'redis QPS':>9} {'p50 ms':>8} {'p99 ms':>8} | {'p99 ratio':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in results["rows"]:
+        ours = row["kvstore"]
+        peer = row.get("redis_exists_pipelined")
+        peer_cols = (
+            f"{peer['qps']:>9.0f} {peer['p50_ms']:>8.2f} {peer['p99_ms']:>8.2f} | "
+            f"{ours['p99_ms'] / peer['p99_ms']:>8.2f}x"
+            if peer
+            else f"{'n/a':>9} {'':>8} {'':>8} | {'':>9}"
+        )
+        print(
+            f"{row['concurrency']:>4} | {ours['qps']:>11.0f} {ours['p50_ms']:>8.2f} "
+            f"{ours['p99_ms']:>8.2f} | {peer_cols}"
+        )
+    verdict = "PASS" if results["pass"] else "FAIL"
+    print(
+        f"target: QueryHit p99 at concurrency 16 ≤ {results['target_p99_c16_ms']:.0f} ms → "
+        f"{results['p99_c16_ms']:.2f} ms {verdict}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server", help="HOST:PORT of a running gateway (default: start one)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="seconds per load step")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    if args.server:
+        results = measure(args.server, args.seconds, populate=True)
+    else:
+        from kvstore.runtime.service import embedded_service
+
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        with tempfile.TemporaryDirectory() as scratch, embedded_service(Path(scratch)) as service:
+            results = measure(service.address, args.seconds, populate=True)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print_table(results)
+    return 0 if results["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

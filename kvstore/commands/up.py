@@ -1,0 +1,112 @@
+"""`kvstore up`: start (or join) a Ray cluster, deploy kvstore, serve gRPC until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+from kvstore.api.server import ServerOptions, read_token_file
+from kvstore.errors import ConfigError, InvalidArgument
+from kvstore.geometry import PRESET_NAMES, GeometryConfig
+
+NAME = "up"
+HELP = "start or join a Ray cluster, deploy kvstore and serve its gRPC API (Ctrl-C stops)"
+DESCRIPTION = """Deploy kvstore on Ray and serve the kvstore.v1 gRPC API until Ctrl-C:
+12+ storage nodes (10+2 erasure coding, shard files under --data-dir), meta shards, repair,
+the SWA tier (a state store per machine + the entrypoint directory) and the GC worker.
+
+Without --address an embedded local Ray cluster is started (loopback only); --address HOST:PORT
+(or "auto") joins an existing one. The gateway binds 127.0.0.1 unless --host says otherwise;
+expose it beyond loopback only with --token-file (bearer token) and TLS.
+
+  kvstore up                                   # embedded cluster, 127.0.0.1:50051
+  kvstore up --port 0 --metrics-port 9464      # any free port; Prometheus on 9464
+  kvstore up --address auto --host 0.0.0.0 --token-file /etc/kvstore/token \\
+             --tls-cert server.pem --tls-key server.key
+
+Restarting on the same --data-dir serves every committed block again."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", help="Ray cluster to join (default: embedded local cluster)")
+    parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    parser.add_argument("--port", type=int, default=50051, help="gateway port (0 = any free)")
+    parser.add_argument(
+        "--data-dir", type=Path, default=Path("kvstore-data"), help="root of the shard files"
+    )
+    parser.add_argument("--deployment", default="kvstore", help="name of this deployment")
+    parser.add_argument("--storage-nodes", type=int, default=12, help="storage nodes (≥ 12)")
+    parser.add_argument("--meta-shards", type=int, default=4, help="meta shards")
+    parser.add_argument("--preset", default="v4.1-flash", choices=PRESET_NAMES, help="model")
+    parser.add_argument(
+        "--fsync", choices=["always", "batch", "never"], default="batch", help="shard fsync policy"
+    )
+    parser.add_argument("--token-file", type=Path, help="require this bearer token")
+    parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key (with --tls-cert)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--no-gc", action="store_true", help="do not start the GC worker")
+
+
+def _options(args: argparse.Namespace) -> ServerOptions:
+    token = read_token_file(args.token_file) if args.token_file is not None else None
+    for flag in ("tls_cert", "tls_key"):
+        path = getattr(args, flag)
+        if path is not None and not path.is_file():
+            raise InvalidArgument(f"--{flag.replace('_', '-')}", f"{path} is not a file")
+    try:
+        return ServerOptions(
+            host=args.host,
+            port=args.port,
+            token=token,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+        )
+    except ConfigError as error:
+        raise InvalidArgument(f"--{error.field.replace('_', '-')}", str(error)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    options = _options(args)
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise InvalidArgument("--metrics-port", f"must be in [0, 65535], got {args.metrics_port}")
+    from kvstore.runtime.service import Gateway, Service, ServiceConfig
+
+    config = ServiceConfig(
+        data_root=args.data_dir.resolve(),
+        deployment=args.deployment,
+        storage_nodes=args.storage_nodes,
+        meta_shards=args.meta_shards,
+        fsync=args.fsync,
+        geometry=GeometryConfig(preset=args.preset),
+        run_gc=not args.no_gc,
+    )
+    print(f"kvstore: deploying {config.storage_nodes} storage nodes under {config.data_root} ...")
+    service = Service.start(config, address=args.address)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        gateway = Gateway(service, options, args.metrics_port)
+        try:
+            scheme = "TLS" if options.tls_cert else "plaintext"
+            print(f"kvstore: serving kvstore.v1.KVStore on {gateway.address} ({scheme})")
+            if gateway.metrics_port is not None:
+                print(f"kvstore: metrics on http://{options.host}:{gateway.metrics_port}/metrics")
+            print("kvstore: Ctrl-C to stop", flush=True)
+            stop.wait()
+            print("kvstore: stopping ...", file=sys.stderr)
+        finally:
+            gateway.stop()
+    finally:
+        service.stop()
+    print("kvstore: stopped", file=sys.stderr)
+    return 0
