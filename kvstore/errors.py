@@ -47,6 +47,18 @@ class LayoutError(KVStoreError):
     """A state-block layout does not add up (would otherwise corrupt memory silently)."""
 
 
+class StateRejected(InvalidArgument):
+    """An SWA state put of the wrong size, or at a position SPEC §6 never stores at; the message
+    names both. Picklable (``__reduce__``), so it crosses a Ray actor boundary intact."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        self.detail = message
+        super().__init__(argument, message)
+
+    def __reduce__(self) -> tuple[type[StateRejected], tuple[str, str]]:
+        return (type(self), (self.argument, self.detail))
+
+
 # --- engine-side ledgers -------------------------------------------------------------------
 
 
@@ -66,6 +78,25 @@ class OutOfSlots(LedgerError):
     """The state slot pool has no free slot left."""
 
     grpc_status = "RESOURCE_EXHAUSTED"
+
+
+class SwapInError(KVStoreError):
+    """The engine-side fetch/swap-in machinery failed: the fetcher process died, a load was
+    misused. Blocks that did not arrive are reported as load errors, never left as wrong bytes."""
+
+    grpc_status = "UNAVAILABLE"
+
+
+class StagingFull(SwapInError):
+    """The /dev/shm staging area has no room for a load right now (it is freed as loads finish)."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"
+
+
+class LoadTimeout(SwapInError):
+    """A layer of a load did not arrive in time; the message names the layer and the request."""
+
+    grpc_status = "DEADLINE_EXCEEDED"
 
 
 # --- erasure coding ------------------------------------------------------------------------
@@ -112,6 +143,17 @@ class LeaseError(StoreError):
     """Unknown or expired lease."""
 
     grpc_status = "NOT_FOUND"
+
+
+class NodeUnavailable(StoreError):
+    """A storage node or meta shard did not answer (dead, restarting, unreachable, too slow).
+
+    Internal to the block tier: the client turns it into a degraded read or a miss, never lets
+    it reach its caller."""
+
+
+class NodeDead(NodeUnavailable):
+    """The cluster reports the storage node or meta shard dead for good (not just slow)."""
 
 
 def grpc_status_name(error: BaseException) -> str:

@@ -1,0 +1,464 @@
+"""Ray shells of the SWA tier (stores and entrypoints) and the function that deploys them.
+
+The logic lives in plain objects (``kvstore.swa.agent.StoreAgent``,
+``kvstore.swa.directory.DirectoryShard``); these classes only move messages, run the heartbeat
+loop and put a timeout on every remote call.
+
+Placement:
+- one store per machine, pinned hard to that machine's Ray node (``num_cpus=0``: a pinned actor
+  holding a CPU could wait forever for one, MEASURED.md). Its states die with the machine.
+- E entrypoints (default one per machine), spread over the machines with *soft* node affinity
+  and unlimited restarts: a killed entrypoint comes back (empty, new incarnation) on its machine
+  or, when that machine is gone, on another one; stores then re-register what they hold.
+
+Actor names are ``<config.name>-store-<machine>`` and ``<config.name>-entry-<shard>`` in the
+driver's namespace, so a client anywhere in the cluster finds them by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvstore.clock import SystemClock
+from kvstore.errors import InvalidArgument, StateRejected, StoreError
+from kvstore.keys import BlockKey
+from kvstore.runtime.cluster import pin_to_node
+from kvstore.swa.agent import StoreAgent
+from kvstore.swa.config import SWAConfig
+from kvstore.swa.directory import (
+    DirectoryShard,
+    ShardMap,
+    StoreRef,
+    SyncReply,
+    SyncRequest,
+    shard_ids,
+)
+from kvstore.swa.store import SWAStore
+
+if TYPE_CHECKING:
+    from kvstore.swa.client import SWAClient
+
+log = logging.getLogger(__name__)
+
+#: How long deploy waits for freshly created actors to answer (worker start-up, not a request).
+_START_TIMEOUT_S = 120.0
+
+
+def keep_in_object_store(array: np.ndarray) -> Any:
+    """How a store actor keeps a state: in its machine's Ray object store (shared memory),
+    owned by the store actor, so it disappears with the store or its machine."""
+    return ray.put(array)
+
+
+def _warn_if_object_store_too_small(capacity: int) -> None:
+    node = ray.get_runtime_context().get_node_id()
+    for info in ray.nodes():
+        if info.get("NodeID") == node:
+            store_bytes = float(info.get("Resources", {}).get("object_store_memory", 0))
+            if store_bytes and capacity > 0.8 * store_bytes:
+                log.warning(
+                    "SWA pool of %d B is close to or above this node's object store (%d B): "
+                    "Ray will spill states to disk",
+                    capacity,
+                    int(store_bytes),
+                )
+            return
+
+
+def store_actor_name(config: SWAConfig, machine_id: str) -> str:
+    return f"{config.name}-store-{machine_id}"
+
+
+def entry_actor_name(config: SWAConfig, shard_id: str) -> str:
+    return f"{config.name}-entry-{shard_id}"
+
+
+@ray.remote
+class SWAEntrypointActor:
+    """One directory shard. Synchronous: calls run one at a time, in arrival order per caller."""
+
+    def __init__(self, shard_id: str, owner_timeout_s: float) -> None:
+        self._shard = DirectoryShard(shard_id, owner_timeout_s=owner_timeout_s, clock=SystemClock())
+
+    def sync(self, request: SyncRequest) -> SyncReply:
+        return self._shard.sync(request)
+
+    def lookup(
+        self, keys: Sequence[BlockKey], prefer_machine: str | None = None
+    ) -> list[StoreRef | None]:
+        return self._shard.lookup(keys, prefer_machine)
+
+    def stats(self) -> dict[str, Any]:
+        return self._shard.stats().__dict__
+
+    def ping(self) -> str:
+        """The shard's incarnation (changes when the actor is replaced)."""
+        return self._shard.incarnation
+
+
+@ray.remote
+class SWAStoreActor:
+    """One machine's SWA store. Async: fetches, puts and the heartbeat loop interleave on one
+    event loop, and the plain agent is only touched between awaits (no locks needed)."""
+
+    def __init__(
+        self,
+        *,
+        config: SWAConfig,
+        state_bytes: int,
+        block_tokens: int,
+        machine_id: str,
+        shards: Sequence[str],
+    ) -> None:
+        self._config = config
+        capacity = config.resolved_capacity_bytes()
+        store = SWAStore(
+            state_bytes=state_bytes,
+            capacity_bytes=capacity,
+            ttl_s=config.ttl_s,
+            clock=SystemClock(),
+            block_tokens=block_tokens,
+            keep=keep_in_object_store,
+        )
+        self._node = ray.get_runtime_context().get_node_id()
+        _warn_if_object_store_too_small(capacity)
+        ref = StoreRef(machine_id, store_actor_name(config, machine_id))
+        self._agent = StoreAgent(store, ref, ShardMap(shards))
+        self._handles: dict[str, Any] = {}
+        # Ray runs an async actor's __init__ inside its event loop: start the loops now, so a
+        # restarted store announces its new incarnation without waiting for a first request.
+        # One heartbeat loop per shard: a shard that hangs until the call timeout (its machine
+        # died) never delays the heartbeats that keep this store alive in the other shards.
+        loop = asyncio.get_running_loop()
+        self._loops = [loop.create_task(self._expiry_loop())]
+        self._loops += [loop.create_task(self._heartbeat_loop(s)) for s in shards]
+
+    async def put(self, key: BlockKey, position: int, blob: np.ndarray) -> bool:
+        """Store a state and register it; True when the directory confirmed the registration
+        (False: it stays pending and the next heartbeat retries)."""
+        try:
+            self._agent.put(key, position, blob)
+        except StateRejected:
+            raise
+        except InvalidArgument as error:
+            # Re-raised as a picklable error so the caller sees the real reason.
+            detail = str(error).removeprefix(f"{error.argument}: ")
+            raise StateRejected(error.argument, detail) from None
+        await self._sync(self._agent.dirty_shards())
+        return self._agent.is_registered(key)
+
+    async def get(self, key: BlockKey, reader_node: str | None = None) -> Any | None:
+        """The state for a reader on Ray node ``reader_node``, or None (miss).
+
+        Same node: ``[ObjectRef]`` (wrapped, so Ray hands the reference over), which the reader
+        maps from shared memory without a copy. Another node: the bytes themselves, inline in the
+        reply (measured here: ~2x faster than letting the reader pull the object node to node).
+        Either way a reader holding the bytes keeps them valid if the store evicts meanwhile.
+        """
+        ref = self._agent.get(key)
+        if ref is None:
+            return None
+        if reader_node == self._node:
+            return [ref]
+        return await ref
+
+    async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return [key in self._agent.store for key in keys]
+
+    async def sync_now(self) -> dict[str, bool]:
+        """Expire, then sync with every shard at once (what each heartbeat does); returns which
+        shards answered."""
+        self._agent.tick()
+        return await self._sync(self._agent.shards.ids)
+
+    async def stats(self) -> dict[str, Any]:
+        stats = self._agent.store.stats().__dict__
+        stats["pending_changes"] = self._agent.pending_count()
+        stats["incarnation"] = self._agent.incarnation
+        return stats
+
+    async def ping(self) -> str:
+        return self._agent.incarnation
+
+    async def _heartbeat_loop(self, shard: str) -> None:
+        interval = self._config.heartbeat_interval_s
+        while True:
+            try:
+                await self._sync_one(shard)
+            except Exception:  # a control loop survives a failing step
+                log.exception("SWA store heartbeat to shard %s failed", shard)
+            await asyncio.sleep(interval)
+
+    async def _expiry_loop(self) -> None:
+        interval = self._config.heartbeat_interval_s
+        while True:
+            try:
+                self._agent.tick()  # expired keys are unregistered by the next heartbeats
+            except Exception:
+                log.exception("SWA store expiry failed")
+            await asyncio.sleep(interval)
+
+    async def _sync(self, shards: Sequence[str]) -> dict[str, bool]:
+        results = await asyncio.gather(*(self._sync_one(shard) for shard in shards))
+        return dict(zip(shards, results, strict=True))
+
+    async def _sync_one(self, shard: str) -> bool:
+        request, ticket = self._agent.outgoing(shard)
+        try:
+            handle = self._entry(shard)
+            reply = await asyncio.wait_for(
+                handle.sync.remote(request), timeout=self._config.call_timeout_s
+            )
+        except (ray.exceptions.RayError, ValueError, TimeoutError) as error:
+            # ValueError: the entrypoint's name is not registered (yet / any more).
+            self._agent.on_failure(ticket)
+            self._handles.pop(shard, None)
+            log.debug("sync with shard %s failed: %s", shard, error)
+            return False
+        self._agent.on_reply(ticket, reply)
+        return True
+
+    def _entry(self, shard: str) -> Any:
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = ray.get_actor(entry_actor_name(self._config, shard))
+            self._handles[shard] = handle
+        return handle
+
+
+@dataclass
+class SWADeployment:
+    """What ``deploy_swa`` created: enough to build clients anywhere (it pickles) and to grow or
+    tear down the tier."""
+
+    config: SWAConfig
+    state_bytes: int
+    block_tokens: int
+    stored_layers: int
+    window: int
+    shards: tuple[str, ...]
+    #: Detached actors outlive the deploying process (an operator's long-running tier).
+    detached: bool = False
+    #: machine id -> store actor name
+    stores: dict[str, str] = field(default_factory=dict)
+    #: Handles of the actors this process created: Ray ends a non-detached actor once no handle
+    #: to it is left, so the deploying process keeps them. Not pickled: clients find by name.
+    handles: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["handles"] = {}
+        return state
+
+    def store(self, machine_id: str) -> Any:
+        if machine_id not in self.stores:
+            raise InvalidArgument(
+                "machine_id", f"no SWA store on {machine_id!r} (stores on {sorted(self.stores)})"
+            )
+        return ray.get_actor(self.stores[machine_id])
+
+    def entrypoint(self, shard_id: str) -> Any:
+        if shard_id not in self.shards:
+            raise InvalidArgument("shard_id", f"unknown shard {shard_id!r} (shards {self.shards})")
+        return ray.get_actor(entry_actor_name(self.config, shard_id))
+
+    def add_store(self, machine_id: str, node_id: str) -> None:
+        """Start the store of a machine that joined (or came back)."""
+        handle = _start_store(self, machine_id, node_id)
+        ray.get(handle.ping.remote(), timeout=_START_TIMEOUT_S)
+        self.stores[machine_id] = store_actor_name(self.config, machine_id)
+        self.handles[self.stores[machine_id]] = handle
+
+    def shutdown(self) -> None:
+        """Kill every actor of this deployment (missing ones are skipped)."""
+        names = list(self.stores.values()) + [entry_actor_name(self.config, s) for s in self.shards]
+        for name in names:
+            try:
+                ray.kill(ray.get_actor(name), no_restart=True)
+            except (ValueError, ray.exceptions.RayError):
+                continue
+        self.handles.clear()
+
+    def client(self, local_machine: str | None = None) -> SWAClient:
+        from kvstore.swa.client import SWAClient
+
+        return SWAClient(self, local_machine=local_machine)
+
+
+def _start_store(deployment: SWADeployment, machine_id: str, node_id: str) -> Any:
+    return SWAStoreActor.options(  # type: ignore[attr-defined]
+        name=store_actor_name(deployment.config, machine_id),
+        max_restarts=-1,
+        max_task_retries=0,
+        enable_task_events=False,
+        lifetime="detached" if deployment.detached else None,
+        **pin_to_node(node_id),
+    ).remote(
+        config=deployment.config,
+        state_bytes=deployment.state_bytes,
+        block_tokens=deployment.block_tokens,
+        machine_id=machine_id,
+        shards=deployment.shards,
+    )
+
+
+def deploy_swa(
+    machines: Mapping[str, str], *, config: SWAConfig, geometry: Any, detached: bool = False
+) -> SWADeployment:
+    """Start the SWA tier: a store on every machine and the entrypoint directory.
+
+    ``machines`` maps machine id -> Ray node id (hex); for a ``LocalCluster`` that is
+    ``{m: cluster.node_id(m) for m in cluster.machines}``. ``geometry`` is a
+    ``kvstore.geometry.GeometryConfig`` (state size, stored layers, window, block size).
+    Returns once every actor answers. Non-detached actors live as long as the returned
+    deployment (or the deploying process); ``detached=True`` keeps them until ``shutdown``.
+    """
+    if not machines:
+        raise InvalidArgument("machines", "the SWA tier needs at least one machine")
+    count = config.num_entrypoints or len(machines)
+    deployment = SWADeployment(
+        config=config,
+        state_bytes=int(geometry.state_size_to_disk),
+        block_tokens=int(geometry.block_tokens),
+        stored_layers=len(geometry.stored_swa_layers),
+        window=int(geometry.window),
+        shards=shard_ids(count),
+        detached=detached,
+    )
+    node_ids = list(machines.values())
+    for index, shard in enumerate(deployment.shards):
+        deployment.handles[entry_actor_name(config, shard)] = SWAEntrypointActor.options(  # type: ignore[attr-defined]
+            name=entry_actor_name(config, shard),
+            num_cpus=0,
+            max_restarts=-1,
+            max_task_retries=0,
+            enable_task_events=False,
+            lifetime="detached" if detached else None,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node_id=node_ids[index % len(node_ids)], soft=True
+            ),
+        ).remote(shard, config.owner_timeout_s)
+    for machine_id, node_id in machines.items():
+        name = store_actor_name(config, machine_id)
+        deployment.handles[name] = _start_store(deployment, machine_id, node_id)
+        deployment.stores[machine_id] = name
+    try:
+        ray.get(
+            [handle.ping.remote() for handle in deployment.handles.values()],
+            timeout=_START_TIMEOUT_S,
+        )
+    except ray.exceptions.RayError as error:
+        deployment.shutdown()
+        raise StoreError(f"SWA tier did not start: {error}") from error
+    return deployment
+
+
+class SWARayTransport:
+    """Every Ray call the SWA client makes, each bounded by ``timeout_s``; a call that fails or
+    times out answers None (a miss), never an exception, except a rejected put (bad input).
+
+    Holds actor handles by name, resolved on first use and forgotten after a failure (a
+    replacement actor under the same name is then found again). Pickles without its handles.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout = timeout_s
+        self._handles: dict[str, Any] = {}
+        self._node: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_timeout": self._timeout, "_handles": {}, "_node": None}
+
+    def lookup(
+        self, calls: Mapping[str, tuple[Sequence[BlockKey], str | None]]
+    ) -> dict[str, list[StoreRef | None] | None]:
+        """One ``lookup`` per entrypoint actor name, all in flight at once, one shared deadline."""
+        refs: dict[str, Any] = {}
+        for name, (keys, prefer) in calls.items():
+            handle = self._handle(name)
+            if handle is not None:
+                refs[name] = handle.lookup.remote(keys, prefer)
+        answers: dict[str, list[StoreRef | None] | None] = dict.fromkeys(calls)
+        if not refs:
+            return answers
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self._timeout)
+        done = set(ready)
+        for name, ref in refs.items():
+            if ref in done:
+                answers[name] = self._get(name, ref)
+            else:
+                self._handles.pop(name, None)
+        return answers
+
+    def fetch(self, store_name: str, key: BlockKey) -> np.ndarray | None:
+        """The state's bytes (read-only), within one timeout; None on any failure."""
+        handle = self._handle(store_name)
+        if handle is None:
+            return None
+        deadline = time.monotonic() + self._timeout
+        answer = self._get(store_name, handle.get.remote(key, self._reader_node()), wait=True)
+        if isinstance(answer, list) and answer:
+            # Same machine: a reference into this node's object store; map it (no copy).
+            try:
+                answer = ray.get(answer[0], timeout=max(deadline - time.monotonic(), 0.001))
+            except ray.exceptions.RayError as error:  # owner or machine gone, timeout
+                log.debug("state from %s not readable: %s", store_name, error)
+                return None
+        return answer if isinstance(answer, np.ndarray) else None
+
+    def put(self, store_name: str, key: BlockKey, position: int, blob: np.ndarray) -> bool:
+        """True when stored and registered, False when stored but the registration is pending.
+        Raises ``StateRejected`` for a bad state, ``StoreError`` when the store cannot be
+        reached in time (the state was not stored)."""
+        handle = self._handle(store_name)
+        if handle is None:
+            raise StoreError(f"SWA store {store_name!r} is not running")
+        try:
+            return bool(ray.get(handle.put.remote(key, position, blob), timeout=self._timeout))
+        except StateRejected:
+            raise
+        except ray.exceptions.RayError as error:
+            self._handles.pop(store_name, None)
+            raise StoreError(f"SWA store {store_name!r} did not take the state: {error}") from None
+
+    def ping(self, name: str) -> float | None:
+        """Seconds of one empty round trip to actor ``name``, or None when it failed."""
+        handle = self._handle(name)
+        if handle is None:
+            return None
+        start = time.perf_counter()
+        if self._get(name, handle.ping.remote(), wait=True) is None:
+            return None
+        return time.perf_counter() - start
+
+    def _reader_node(self) -> str:
+        if self._node is None:
+            self._node = ray.get_runtime_context().get_node_id()
+        return self._node
+
+    def _handle(self, name: str) -> Any | None:
+        handle = self._handles.get(name)
+        if handle is None:
+            try:
+                handle = ray.get_actor(name)
+            except (ValueError, ray.exceptions.RayError):
+                return None
+            self._handles[name] = handle
+        return handle
+
+    def _get(self, name: str, ref: Any, wait: bool = False) -> Any | None:
+        try:
+            return ray.get(ref, timeout=self._timeout if wait else 0)
+        except ray.exceptions.RayError as error:
+            self._handles.pop(name, None)
+            log.debug("call to %s failed: %s", name, error)
+            return None
