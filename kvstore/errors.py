@@ -30,7 +30,12 @@ class ConfigError(KVStoreError):
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
+        self.detail = message
         super().__init__(f"{field}: {message}")
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:
+        # Two-argument __init__: pickle (Ray actor boundaries) must call it the same way.
+        return (type(self), (self.field, self.detail))
 
 
 class InvalidArgument(KVStoreError):
@@ -40,7 +45,12 @@ class InvalidArgument(KVStoreError):
 
     def __init__(self, argument: str, message: str) -> None:
         self.argument = argument
+        self.detail = message
         super().__init__(f"{argument}: {message}")
+
+    def __reduce__(self) -> tuple[type[InvalidArgument], tuple[str, str]]:
+        # Two-argument __init__: pickle (Ray actor boundaries) must call it the same way.
+        return (type(self), (self.argument, self.detail))
 
 
 class LayoutError(KVStoreError):
@@ -51,12 +61,6 @@ class StateRejected(InvalidArgument):
     """An SWA state put of the wrong size, or at a position SPEC §6 never stores at; the message
     names both. Picklable (``__reduce__``), so it crosses a Ray actor boundary intact."""
 
-    def __init__(self, argument: str, message: str) -> None:
-        self.detail = message
-        super().__init__(argument, message)
-
-    def __reduce__(self) -> tuple[type[StateRejected], tuple[str, str]]:
-        return (type(self), (self.argument, self.detail))
 
 
 # --- engine-side ledgers -------------------------------------------------------------------
