@@ -59,8 +59,7 @@ class LayoutError(KVStoreError):
 
 class StateRejected(InvalidArgument):
     """An SWA state put of the wrong size, or at a position SPEC §6 never stores at; the message
-    names both. Picklable (``__reduce__``), so it crosses a Ray actor boundary intact."""
-
+    names both. Picklable (through ``InvalidArgument.__reduce__``) across Ray actors."""
 
 
 # --- engine-side ledgers -------------------------------------------------------------------
