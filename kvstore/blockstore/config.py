@@ -1,0 +1,201 @@
+"""The one frozen configuration of the Block KVCache tier (validated on construction).
+
+Sizes and timings are plain fields; nothing here is read at import time. ``from_env`` is the
+only place that reads environment variables (``KVSTORE_BLOCKSTORE_<FIELD>``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+from kvstore.errors import ConfigError
+
+FsyncPolicy = Literal["always", "batch", "never"]
+_FSYNC_POLICIES = ("always", "batch", "never")
+_ENV_PREFIX = "KVSTORE_BLOCKSTORE_"
+_MIB = 1024 * 1024
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+def _non_negative_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(name, f"must be an integer >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class StorageNodeConfig:
+    """What one storage node needs to know about itself."""
+
+    #: When a put/commit is acknowledged, its files are on stable storage:
+    #: ``always``: fsync of every shard file and of the directory (one flush per shard);
+    #: ``batch``: one ``syncfs`` of the data dir's filesystem per put/commit batch (same promise,
+    #: one flush per batch: on this VM 768 fsyncs took ~0.3-1 s, one syncfs ~16-60 ms);
+    #: ``never``: the page cache decides (a process crash loses nothing, a power cut may).
+    fsync: FsyncPolicy = "batch"
+    #: RAM read cache of whole shard files, bytes (0 = off).
+    read_cache_bytes: int = 256 * _MIB
+    #: Bytes this node may hold on disk; a put beyond it is refused (the GC evicts first).
+    capacity_bytes: int = 64 * 1024 * _MIB
+
+    def __post_init__(self) -> None:
+        if self.fsync not in _FSYNC_POLICIES:
+            raise ConfigError("fsync", f"must be one of {_FSYNC_POLICIES}, got {self.fsync!r}")
+        _non_negative_int("read_cache_bytes", self.read_cache_bytes)
+        _non_negative_int("capacity_bytes", self.capacity_bytes)
+        if self.capacity_bytes == 0:
+            raise ConfigError("capacity_bytes", "must be > 0")
+
+
+@dataclass(frozen=True)
+class BlockStoreConfig:
+    """The whole tier: geometry, actor counts, timings."""
+
+    data_shards: int = 10
+    parity_shards: int = 2
+    #: Storage nodes (failure domains). On one machine: N actors with their own data dirs.
+    storage_nodes: int = 12
+    meta_shards: int = 4
+    #: Traffic class names; a block's class id is the position of its name here.
+    traffic_classes: tuple[str, ...] = ("default", "agent", "chatbot")
+    lease_seconds: float = 30.0
+    #: Longest any single remote call may take before its node counts as unreachable.
+    call_timeout_s: float = 10.0
+    #: A read asks the fastest k nodes; shards still missing after this long are asked of the
+    #: remaining m nodes too (hedging).
+    hedge_after_s: float = 0.05
+    #: A client that saw a node fail skips it for this long before trying it again.
+    node_retry_s: float = 5.0
+    #: How long a writer's reservation of a key lasts (a put longer than this loses it).
+    put_reservation_s: float = 60.0
+    #: Pending shards and unreferenced committed shards younger than this are never reclaimed.
+    orphan_grace_s: float = 600.0
+    #: A node whose health checks fail for this long is declared dead and repaired.
+    dead_after_s: float = 10.0
+    health_interval_s: float = 1.0
+    #: Stripes re-encoded per repair step (bounds repair traffic).
+    repair_batch: int = 32
+    #: Misses remembered with their reason per meta shard (evicted / expired), newest kept.
+    tombstones: int = 100_000
+    node: StorageNodeConfig = StorageNodeConfig()
+    #: Storage node ``i`` keeps its files in ``<data_root>/node-<i>`` (a local path on whichever
+    #: machine hosts it).
+    data_root: str = "/var/lib/kvstore/blocks"
+    #: Name prefix of the Ray actors of one deployment (several may share a cluster).
+    deployment: str = "blockstore"
+
+    def __post_init__(self) -> None:
+        for name in ("data_shards", "parity_shards", "storage_nodes", "meta_shards"):
+            _positive_int(name, getattr(self, name))
+        if self.storage_nodes < self.stripe_width:
+            raise ConfigError(
+                "storage_nodes",
+                f"must be >= data_shards + parity_shards = {self.stripe_width} "
+                f"(one failure domain per shard), got {self.storage_nodes}",
+            )
+        if not self.traffic_classes or len(set(self.traffic_classes)) != len(self.traffic_classes):
+            raise ConfigError("traffic_classes", "must be a non-empty tuple of distinct names")
+        if len(self.traffic_classes) > 254:
+            raise ConfigError("traffic_classes", "at most 254 classes")
+        for name in (
+            "lease_seconds",
+            "call_timeout_s",
+            "hedge_after_s",
+            "node_retry_s",
+            "put_reservation_s",
+            "dead_after_s",
+            "health_interval_s",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(name, f"must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.orphan_grace_s, int | float) or self.orphan_grace_s < 0:
+            raise ConfigError("orphan_grace_s", f"must be >= 0, got {self.orphan_grace_s!r}")
+        _positive_int("repair_batch", self.repair_batch)
+        _non_negative_int("tombstones", self.tombstones)
+        if not isinstance(self.node, StorageNodeConfig):
+            raise ConfigError("node", "must be a StorageNodeConfig")
+        if not self.data_root:
+            raise ConfigError("data_root", "must name a directory")
+        if not self.deployment or not self.deployment.replace("-", "").isalnum():
+            raise ConfigError("deployment", f"must be alphanumeric/dashes, got {self.deployment!r}")
+
+    @property
+    def stripe_width(self) -> int:
+        return self.data_shards + self.parity_shards
+
+    def class_id(self, name: str) -> int:
+        try:
+            return self.traffic_classes.index(name)
+        except ValueError:
+            raise ConfigError(
+                "traffic_class", f"unknown class {name!r} (known: {list(self.traffic_classes)})"
+            ) from None
+
+    def class_name(self, class_id: int) -> str:
+        if 0 <= class_id < len(self.traffic_classes):
+            return self.traffic_classes[class_id]
+        return f"class-{class_id}"
+
+    def with_overrides(self, **changes: Any) -> BlockStoreConfig:
+        return replace(self, **changes)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> BlockStoreConfig:
+        """Build from a plain mapping (e.g. a TOML table); ``node`` may be a nested mapping."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ConfigError(sorted(unknown)[0], f"unknown field (known: {sorted(known)})")
+        data = dict(values)
+        if isinstance(data.get("node"), Mapping):
+            node_known = {f.name for f in fields(StorageNodeConfig)}
+            bad = set(data["node"]) - node_known
+            if bad:
+                raise ConfigError(f"node.{sorted(bad)[0]}", "unknown field")
+            data["node"] = StorageNodeConfig(**data["node"])
+        if "traffic_classes" in data:
+            data["traffic_classes"] = tuple(data["traffic_classes"])
+        return cls(**data)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> BlockStoreConfig:
+        """``KVSTORE_BLOCKSTORE_<FIELD>`` (upper case) overrides; ``..._NODE_<FIELD>`` for the
+        storage node part; ``..._TRAFFIC_CLASSES`` is comma-separated."""
+        env = os.environ if environ is None else environ
+        top: dict[str, Any] = {}
+        node: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name == "node":
+                continue
+            raw = env.get(_ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                top[f.name] = _parse(f.name, raw, getattr(cls(), f.name))
+        for f in fields(StorageNodeConfig):
+            raw = env.get(_ENV_PREFIX + "NODE_" + f.name.upper())
+            if raw is not None:
+                node[f.name] = _parse(f"node.{f.name}", raw, getattr(StorageNodeConfig(), f.name))
+        if node:
+            top["node"] = StorageNodeConfig(**node)
+        return cls(**top)
+
+
+def _parse(name: str, raw: str, default: Any) -> Any:
+    try:
+        if isinstance(default, bool):
+            return raw.lower() in ("1", "true", "yes")
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+        if isinstance(default, tuple):
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(name, f"cannot parse {raw!r} as {type(default).__name__}") from None
+    return raw

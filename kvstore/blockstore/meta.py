@@ -1,0 +1,592 @@
+"""A meta shard: the block index of one slice of the keyspace (split by key hash).
+
+It answers "which blocks of this prompt are cached, and where are their shards?", arbitrates
+writers (one reservation per key), takes leases so GC never removes a block being read, and is
+a *cache* of what the storage nodes hold: a restarted shard rebuilds itself from the nodes'
+manifests (``begin_rebuild`` / ``absorb_manifest`` / ``finish_rebuild``); until it is done its
+keys are misses, never errors.
+
+Rebuild rule: a key is restored when at least k committed shards of it are found. A committed
+shard file exists only after its writer had all k+m shards acknowledged durable (``node.py``),
+so a writer that died before committing leaves nothing a rebuild could resurrect; and a block
+whose commit was acknowledged to its writer has k+m committed shards, of which at most m may be
+on unreachable nodes, so it is always restored.
+
+Not thread-safe: one actor thread (or a lock in the shell) owns one shard.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from kvstore.blockstore.config import BlockStoreConfig
+from kvstore.blockstore.index import BlockIndex, BlockRecords
+from kvstore.blockstore.placement import meta_shard_of
+from kvstore.blockstore.records import MissReason, PutStatus, RemovedBlock, StripeRecord
+from kvstore.clock import Clock, SystemClock
+from kvstore.errors import InvalidArgument
+from kvstore.keys import KEY_BYTES, BlockKey, check_key
+
+
+@dataclass(frozen=True)
+class MetaReply:
+    """Per-key answer of ``lookup``/``locate`` (arrays aligned with the asked keys)."""
+
+    found: np.ndarray  # bool: committed in the index
+    readable: np.ndarray  # bool: >= k shards on nodes not known down
+    placements: np.ndarray  # int32 (n, width), -1 = shard lost
+    sizes: np.ndarray  # int64
+    lease_until: float  # 0 when no lease was taken
+    rebuilding: bool
+    #: Nodes this shard knows are dead (from the repair loop): readers skip them at once.
+    down: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class _Found:
+    """One write of a block (shards agreeing on its payload hash) seen during a rebuild."""
+
+    placement: list[int]
+    stamps: list[float]
+    size: int
+    class_id: int
+    created: float
+
+    @property
+    def shards(self) -> int:
+        return sum(1 for node in self.placement if node >= 0)
+
+
+class MetaShard:
+    def __init__(
+        self,
+        shard_id: int,
+        config: BlockStoreConfig | None = None,
+        clock: Clock | None = None,
+        rebuilding: bool = False,
+    ) -> None:
+        self.config = config or BlockStoreConfig()
+        if not 0 <= shard_id < self.config.meta_shards:
+            raise InvalidArgument(
+                "shard_id", f"must be in [0, {self.config.meta_shards}), got {shard_id}"
+            )
+        self.shard_id = shard_id
+        self._clock = clock or SystemClock()
+        self._width = self.config.stripe_width
+        self._k = self.config.data_shards
+        self._index = BlockIndex(stripe_width=self._width)
+        self._reservations: dict[bytes, tuple[int, float]] = {}
+        self._down: set[int] = set()
+        self._tombstones: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
+        self._rebuilding = rebuilding
+        self._rebuild_found: dict[bytes, dict[bytes, _Found]] = {}
+        self._rebuild_sources = 0
+        #: Some placement may hold -1 (a shard lost to corruption, or unseen in a rebuild).
+        self._lost_shards = False
+        classes = (*self.config.traffic_classes, "unknown")
+        self._misses = {name: dict.fromkeys(MissReason.ALL, 0) for name in classes}
+        self._counters = {
+            "lookups": 0,
+            "lookup_keys": 0,
+            "hit_keys": 0,
+            "commits": 0,
+            "leases": 0,
+            "releases": 0,
+            "rebuilds": 0,
+            "rebuilt_blocks": 0,
+            "placement_updates": 0,
+        }
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _keys(self, keys: Sequence[bytes], argument: str = "keys") -> list[BlockKey]:
+        checked = [check_key(key, f"{argument}[{i}]") for i, key in enumerate(keys)]
+        if checked:
+            owners = meta_shard_of(checked, self.config.meta_shards)
+            wrong = np.flatnonzero(owners != self.shard_id)
+            if wrong.size:
+                raise InvalidArgument(
+                    f"{argument}[{int(wrong[0])}]",
+                    f"belongs to meta shard {int(owners[wrong[0]])}, not {self.shard_id}",
+                )
+        return checked
+
+    def _readable(self, placements: np.ndarray, extra_down: Sequence[int]) -> np.ndarray:
+        down = self._down | {int(node) for node in extra_down}
+        alive = placements >= 0
+        if down:
+            alive &= ~np.isin(placements, np.fromiter(down, dtype=np.int64))
+        return np.asarray(alive.sum(axis=1) >= self._k)
+
+    def _class_name(self, class_id: int | None) -> str:
+        if class_id is None:
+            return "unknown"
+        return self.config.class_name(int(class_id))
+
+    def _count_miss(self, key: bytes, reason: str | None, traffic_class: str | None) -> None:
+        tomb = self._tombstones.get(key)
+        if reason is None:
+            reason = tomb[0] if tomb is not None else MissReason.NEVER_WRITTEN
+        name = traffic_class if traffic_class in self._misses else None
+        if name is None:
+            name = self._class_name(tomb[1]) if tomb is not None else "unknown"
+        self._misses.setdefault(name, dict.fromkeys(MissReason.ALL, 0))[reason] += 1
+
+    def _tombstone(self, removed: BlockRecords, reason: str) -> None:
+        if self.config.tombstones == 0:
+            return
+        for key, class_id in zip(removed.keys, removed.classes, strict=True):
+            self._tombstones[bytes(key)] = (reason, int(class_id))
+            self._tombstones.move_to_end(bytes(key))
+        while len(self._tombstones) > self.config.tombstones:
+            self._tombstones.popitem(last=False)
+
+    def _removed(self, records: BlockRecords, reason: str, now: float) -> list[RemovedBlock]:
+        return [
+            RemovedBlock(
+                key=records.keys[i],
+                nodes=tuple(int(n) for n in records.placements[i] if n >= 0),
+                size=int(records.sizes[i]),
+                traffic_class=self.config.class_name(int(records.classes[i])),
+                removed_at=now,
+                reason=reason,
+            )
+            for i in range(len(records))
+        ]
+
+    # --- writers ---------------------------------------------------------------------------
+
+    def begin_put(self, keys: Sequence[bytes], token: int) -> list[int]:
+        """Reserve ``keys`` for writer ``token``: one ``PutStatus`` per key."""
+        checked = self._keys(keys)
+        now = self._clock.now()
+        rows = self._index.find(checked) if checked else np.zeros(0, np.int64)
+        until = now + self.config.put_reservation_s
+        answers: list[int] = []
+        for key, row in zip(checked, rows, strict=True):
+            if row >= 0:
+                answers.append(PutStatus.EXISTS)
+                continue
+            held = self._reservations.get(key)
+            if held is not None and held[0] != token and held[1] > now:
+                answers.append(PutStatus.BUSY)
+                continue
+            self._reservations[key] = (token, until)
+            answers.append(PutStatus.GRANTED)
+        if len(self._reservations) > 4 * len(checked) + 10_000:
+            self._reservations = {k: v for k, v in self._reservations.items() if v[1] > now}
+        return answers
+
+    def commit(
+        self,
+        keys: Sequence[bytes],
+        token: int,
+        placements: np.ndarray,
+        sizes: Sequence[int],
+        class_id: int,
+    ) -> list[bool]:
+        """Insert blocks whose every shard was committed on its node (the visibility point).
+
+        Refused (False) for a key already committed or reserved by another live writer.
+        """
+        checked = self._keys(keys)
+        placement_array = np.asarray(placements, dtype=np.int32).reshape(-1, self._width)
+        if placement_array.shape[0] != len(checked) or len(sizes) != len(checked):
+            raise InvalidArgument("placements", "must have one row (and size) per key")
+        now = self._clock.now()
+        rows = self._index.find(checked) if checked else np.zeros(0, np.int64)
+        accept = []
+        for position, (key, row) in enumerate(zip(checked, rows, strict=True)):
+            held = self._reservations.get(key)
+            if row >= 0 or (held is not None and held[0] != token and held[1] > now):
+                continue
+            accept.append(position)
+            self._reservations.pop(key, None)
+            self._tombstones.pop(key, None)
+        if accept:
+            chosen = np.asarray(accept, dtype=np.int64)
+            self._index.upsert(
+                [checked[i] for i in accept],
+                placement_array[chosen],
+                np.asarray(sizes, dtype=np.int64)[chosen],
+                np.full(len(accept), class_id, dtype=np.uint8),
+                now,
+            )
+        self._counters["commits"] += len(accept)
+        accepted = set(accept)
+        return [i in accepted for i in range(len(checked))]
+
+    def abort_put(self, keys: Sequence[bytes], token: int) -> None:
+        for key in keys:
+            held = self._reservations.get(bytes(key))
+            if held is not None and held[0] == token:
+                del self._reservations[bytes(key)]
+
+    # --- readers ---------------------------------------------------------------------------
+
+    def _answer(
+        self,
+        keys: list[BlockKey],
+        down_nodes: Sequence[int],
+        traffic_class: str | None,
+        lease_until: float | None,
+        lease_for: float | None,
+    ) -> MetaReply:
+        n = len(keys)
+        empty = MetaReply(
+            np.zeros(n, bool),
+            np.zeros(n, bool),
+            np.full((n, self._width), -1, np.int32),
+            np.zeros(n, np.int64),
+            0.0,
+            self._rebuilding,
+        )
+        if self._rebuilding:
+            for key in keys:
+                self._count_miss(key, MissReason.REBUILDING, traffic_class)
+            return empty
+        if n == 0:
+            return empty
+        now = self._clock.now()
+        rows = self._index.find(keys)
+        found = rows >= 0
+        placements = empty.placements
+        sizes = empty.sizes
+        readable = np.zeros(n, bool)
+        classes = np.zeros(n, np.int64)
+        if found.any():
+            records = self._index.get(rows[found])
+            placements[found] = records.placements
+            sizes[found] = records.sizes
+            classes[found] = records.classes
+            readable[found] = self._readable(records.placements, down_nodes)
+            self._index.touch(rows[found], now)
+        until = 0.0
+        if lease_for is not None and readable.any():
+            until = now + lease_for
+            self._index.acquire_lease(rows[readable], until)
+            self._counters["leases"] += int(readable.sum())
+        for position in np.flatnonzero(~readable):
+            key = keys[int(position)]
+            name = traffic_class
+            if found[position]:
+                reason: str | None = MissReason.UNREADABLE
+                name = name or self.config.class_name(int(classes[position]))
+            elif lease_until is not None and lease_until <= now:
+                reason = MissReason.LEASE_EXPIRED
+            else:
+                reason = None
+            self._count_miss(key, reason, name)
+        self._counters["lookup_keys"] += n
+        self._counters["hit_keys"] += int(readable.sum())
+        return MetaReply(
+            found, readable, placements, sizes, until, False, tuple(sorted(self._down))
+        )
+
+    def lookup(
+        self,
+        keys: Sequence[bytes],
+        down_nodes: Sequence[int] = (),
+        traffic_class: str | None = None,
+        lease_seconds: float | None = None,
+    ) -> MetaReply:
+        """Which keys are committed and readable; leases every readable one (the client
+        releases those beyond the consecutive prefix)."""
+        checked = self._keys(keys)
+        self._counters["lookups"] += 1
+        lease_for = self.config.lease_seconds if lease_seconds is None else lease_seconds
+        if lease_for <= 0:
+            raise InvalidArgument("lease_seconds", f"must be > 0, got {lease_for}")
+        return self._answer(checked, down_nodes, traffic_class, None, lease_for)
+
+    def locate(
+        self,
+        keys: Sequence[bytes],
+        down_nodes: Sequence[int] = (),
+        traffic_class: str | None = None,
+        lease_until: float | None = None,
+    ) -> MetaReply:
+        """Like ``lookup`` without taking a lease (``lease_until``: the caller's lease, to tell a
+        miss caused by its expiry)."""
+        return self._answer(self._keys(keys), down_nodes, traffic_class, lease_until, None)
+
+    def release(self, keys: Sequence[bytes]) -> int:
+        """Release one lease on each of ``keys`` (unknown keys are ignored)."""
+        if self._rebuilding or not keys:
+            return 0
+        rows = self._index.find([check_key(key) for key in keys])
+        rows = rows[rows >= 0]
+        if rows.size:
+            self._index.release_lease(rows)
+        self._counters["releases"] += int(rows.size)
+        return int(rows.size)
+
+    # --- repair ----------------------------------------------------------------------------
+
+    def mark_nodes(self, down: Sequence[int] = (), up: Sequence[int] = ()) -> list[int]:
+        """Record nodes known dead (their shards do not count as readable); returns the set."""
+        self._down |= {int(node) for node in down}
+        self._down -= {int(node) for node in up}
+        return sorted(self._down)
+
+    def stripes_to_repair(
+        self, dead_nodes: Sequence[int], limit: int, start_row: int = 0
+    ) -> tuple[list[StripeRecord], int]:
+        """Up to ``limit`` stripes (rows >= ``start_row``) with a shard on a dead node or a lost
+        shard (-1), and the row to continue from (0 when this pass is complete)."""
+        if self._rebuilding or limit <= 0:
+            return [], 0
+        candidates: set[int] = set()
+        for node in {int(node) for node in dead_nodes}:
+            candidates.update(int(row) for row in self._index.rows_on_node(node))
+        if self._lost_shards:  # only scan for lost (-1) shards when some may exist
+            live = self._index.live_rows()
+            lost_any = False
+            for offset in range(0, live.size, 65536):
+                chunk = live[offset : offset + 65536]
+                lost = (self._index.get(chunk).placements < 0).any(axis=1)
+                lost_any |= bool(lost.any())
+                candidates.update(int(row) for row in chunk[lost])
+            self._lost_shards = lost_any
+        chosen = sorted(row for row in candidates if row >= start_row)[:limit]
+        if not chosen:
+            return [], 0
+        records = self._index.get(chosen)
+        stripes = [
+            StripeRecord(
+                key=records.keys[i],
+                placement=records.placements[i].copy(),
+                size=int(records.sizes[i]),
+                class_id=int(records.classes[i]),
+                created=float(records.created[i]),
+            )
+            for i in range(len(records))
+        ]
+        return stripes, (chosen[-1] + 1 if len(chosen) == limit else 0)
+
+    def set_placements(self, moves: Sequence[tuple[bytes, int, int, int]]) -> list[bool]:
+        """Batched compare-and-set of shard locations: (key, shard_index, new node, expected
+        node). A move whose shard is no longer on ``expected`` (GC removed the block, another
+        repair won) is refused."""
+        return [
+            self.set_placement(key, index, node, expected) for key, index, node, expected in moves
+        ]
+
+    def set_placement(self, key: bytes, shard_index: int, node_id: int, expected: int) -> bool:
+        """Move shard ``shard_index`` of ``key`` to ``node_id`` if it is still on ``expected``."""
+        if self._rebuilding:
+            return False
+        row = int(self._index.find([check_key(key)])[0])
+        if row < 0:
+            return False
+        current = int(self._index.get([row]).placements[0, int(shard_index)])
+        if current != expected:
+            return False
+        self._index.set_placement(row, shard_index, node_id)
+        self._lost_shards |= node_id < 0
+        self._counters["placement_updates"] += 1
+        return True
+
+    def referenced(self, keys: Sequence[bytes], node_id: int) -> list[bool]:
+        """Whether this shard still needs ``node_id``'s copy of each key (orphan scrub)."""
+        if self._rebuilding:
+            return [True] * len(keys)  # know nothing yet: keep everything
+        checked = [check_key(key) for key in keys]
+        rows = self._index.find(checked) if checked else np.zeros(0, np.int64)
+        answer = [False] * len(checked)
+        present = np.flatnonzero(rows >= 0)
+        if present.size:
+            placements = self._index.get(rows[present]).placements
+            for j, row_position in enumerate(present.tolist()):
+                answer[row_position] = bool((placements[j] == node_id).any())
+        now = self._clock.now()
+        for position, key in enumerate(checked):
+            held = self._reservations.get(key)
+            if held is not None and held[1] > now:
+                answer[position] = True
+        return answer
+
+    # --- rebuild from manifests -------------------------------------------------------------
+
+    @property
+    def rebuilding(self) -> bool:
+        return self._rebuilding
+
+    def begin_rebuild(self) -> None:
+        self._rebuilding = True
+        self._rebuild_found = {}
+        self._rebuild_sources = 0
+
+    def absorb_manifest(self, node_id: int, table: pa.Table) -> int:
+        """Add one node's manifest (``StorageNode.manifest``) to the rebuild; returns rows used."""
+        if not self._rebuilding:
+            raise InvalidArgument("absorb_manifest", "no rebuild in progress")
+        columns = table.to_pydict()
+        used = 0
+        owners = (
+            meta_shard_of(columns["key"], self.config.meta_shards)
+            if columns["key"]
+            else np.zeros(0, np.int64)
+        )
+        for position, key in enumerate(columns["key"]):
+            if owners[position] != self.shard_id:
+                continue
+            index = int(columns["shard_index"][position])
+            if not 0 <= index < self._width:
+                continue
+            writes = self._rebuild_found.setdefault(key, {})
+            digest = columns["payload_hash"][position]
+            found = writes.get(digest)
+            if found is None:
+                found = _Found(
+                    [-1] * self._width,
+                    [0.0] * self._width,
+                    int(columns["payload_len"][position]),
+                    int(columns["class_id"][position]),
+                    float(columns["created"][position]),
+                )
+                writes[digest] = found
+            stamp = float(columns["stamp"][position])
+            if node_id in found.placement:
+                continue  # one node never holds two shards of a stripe
+            # Two copies of one shard (a node came back after its shard was repaired onto
+            # another): the newer copy is the one the index pointed at.
+            if found.placement[index] == -1 or stamp > found.stamps[index]:
+                found.placement[index] = node_id
+                found.stamps[index] = stamp
+                used += 1
+        self._rebuild_sources += 1
+        return used
+
+    def finish_rebuild(self) -> int:
+        """Install the rebuilt entries (keys with >= k shards found); blocks committed while
+        the rebuild ran are kept as they are. Returns the number of blocks restored."""
+        if not self._rebuilding:
+            return 0
+        live_table = self._index.to_table()
+        known = set(live_table.column("key").to_pylist()) if live_table.num_rows else set()
+        keys: list[bytes] = []
+        placements: list[list[int]] = []
+        sizes: list[int] = []
+        classes: list[int] = []
+        created: list[float] = []
+        for key, writes in self._rebuild_found.items():
+            if key in known:
+                continue
+            # Several writes of one key (an old copy outlived an eviction and re-put): keep the
+            # one with the most shards, the newest on a tie. Readers group shards by payload
+            # hash anyway, so a stray old shard can never be mixed in.
+            found = max(writes.values(), key=lambda f: (f.shards, f.created))
+            if found.shards < self._k:
+                continue
+            keys.append(key)
+            placements.append(found.placement)
+            sizes.append(found.size)
+            classes.append(found.class_id)
+            created.append(found.created)
+        if keys:
+            restored = pa.table(
+                {
+                    "key": pa.array(keys, type=pa.binary(KEY_BYTES)),
+                    "placement": pa.FixedSizeListArray.from_arrays(
+                        pa.array(np.asarray(placements, np.int32).reshape(-1), pa.int32()),
+                        self._width,
+                    ),
+                    "size": pa.array(sizes, pa.int64()),
+                    "class": pa.array(classes, pa.uint8()),
+                    "created": pa.array(created, pa.float64()),
+                    "last_access": pa.array(created, pa.float64()),
+                    "lease_until": pa.array([0.0] * len(keys), pa.float64()),
+                    "lease_count": pa.array([0] * len(keys), pa.int32()),
+                }
+            )
+            merged = pa.concat_tables(
+                [
+                    live_table.replace_schema_metadata(None),
+                    restored.cast(live_table.schema.remove_metadata()),
+                ]
+            ).replace_schema_metadata(live_table.schema.metadata)
+            self._index = BlockIndex.from_table(merged)
+        self._rebuilding = False
+        self._lost_shards |= any(-1 in placement for placement in placements)
+        self._rebuild_found = {}
+        self._counters["rebuilds"] += 1
+        self._counters["rebuilt_blocks"] += len(keys)
+        return len(keys)
+
+    # --- garbage collection ----------------------------------------------------------------
+
+    def gc_expire(
+        self,
+        now: float,
+        ttl_seconds_by_class: dict[str, float],
+        basis: str = "last_access",
+        limit: int | None = None,
+    ) -> list[RemovedBlock]:
+        """Remove unleased blocks past their class TTL (index first; the GC deletes shards)."""
+        if self._rebuilding:
+            return []
+        unknown = set(ttl_seconds_by_class) - set(self.config.traffic_classes)
+        if unknown:
+            raise InvalidArgument("ttl_seconds_by_class", f"unknown classes {sorted(unknown)}")
+        ttl = np.array(
+            [ttl_seconds_by_class.get(name, np.inf) for name in self.config.traffic_classes],
+            dtype=np.float64,
+        )
+        rows = self._index.expired_rows(now, ttl, basis, limit)  # type: ignore[arg-type]
+        if rows.size == 0:
+            return []
+        keys = self._index.get(rows).keys
+        removed = self._index.remove(keys, unless_leased_at=now)
+        self._tombstone(removed, MissReason.EXPIRED)
+        return self._removed(removed, MissReason.EXPIRED, now)
+
+    def gc_lru_candidates(self, now: float, bytes_needed: int) -> list[tuple[float, bytes, int]]:
+        """(last_access, key, size) of unleased blocks, least recently used first."""
+        if self._rebuilding:
+            return []
+        rows = self._index.lru_rows(now, bytes_needed)
+        records = self._index.get(rows)
+        return [
+            (float(records.last_access[i]), bytes(records.keys[i]), int(records.sizes[i]))
+            for i in range(len(records))
+        ]
+
+    def gc_evict(self, keys: Sequence[bytes], now: float) -> list[RemovedBlock]:
+        """Remove ``keys`` unless leased at ``now`` (checked at removal time)."""
+        if self._rebuilding or not keys:
+            return []
+        removed = self._index.remove([check_key(key) for key in keys], unless_leased_at=now)
+        self._tombstone(removed, MissReason.EVICTED)
+        return self._removed(removed, MissReason.EVICTED, now)
+
+    def stored_bytes_by_class(self) -> dict[str, int]:
+        by_class = self._index.bytes_by_class(len(self.config.traffic_classes))
+        return {name: int(by_class[i]) for i, name in enumerate(self.config.traffic_classes)}
+
+    # --- introspection ---------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def snapshot_table(self) -> pa.Table:
+        return self._index.to_table()
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "shard_id": self.shard_id,
+            "blocks": len(self._index),
+            "bytes": self._index.total_bytes(),
+            "bytes_by_class": self.stored_bytes_by_class(),
+            "rebuilding": self._rebuilding,
+            "down_nodes": sorted(self._down),
+            "reservations": len(self._reservations),
+            "misses": {name: dict(reasons) for name, reasons in self._misses.items()},
+            "index_memory_bytes": self._index.memory_bytes(),
+            **self._counters,
+        }

@@ -1,0 +1,107 @@
+"""Small immutable values that cross actor boundaries in the block tier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+from kvstore.keys import BlockKey
+
+
+class MissReason:
+    """Why a block was not served (counted per traffic class in meta shard stats)."""
+
+    EVICTED = "evicted"
+    EXPIRED = "expired"
+    NEVER_WRITTEN = "never_written"
+    UNREADABLE = "unreadable"  # committed, but fewer than k shards on live nodes
+    LEASE_EXPIRED = "lease_expired"
+    REBUILDING = "rebuilding"  # the meta shard is rebuilding its index from manifests
+
+    ALL = (EVICTED, EXPIRED, NEVER_WRITTEN, UNREADABLE, LEASE_EXPIRED, REBUILDING)
+
+
+class PutStatus(IntEnum):
+    """A meta shard's answer to a writer asking to write a key."""
+
+    GRANTED = 0  # write it: the key is reserved for this writer until the reservation ends
+    EXISTS = 1  # already committed: nothing to write
+    BUSY = 2  # another writer holds a live reservation
+
+
+@dataclass(frozen=True)
+class RemovedBlock:
+    """A block the index no longer knows; the GC deletes its shards from ``nodes`` afterwards.
+
+    ``removed_at`` lets a node refuse to delete a shard written after the removal (a new put of
+    the same key racing the GC).
+    """
+
+    key: BlockKey
+    nodes: tuple[int, ...]
+    size: int
+    traffic_class: str
+    removed_at: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class BlockLocation:
+    """What a reader needs to fetch one committed block."""
+
+    key: BlockKey
+    placement: tuple[int, ...]  # node id per shard index; -1 = shard lost
+    size: int
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Protection of looked-up blocks from GC until ``until`` (or until released).
+
+    Carries the blocks' locations so ``get_blocks`` needs no second meta round trip.
+    """
+
+    lease_id: str
+    until: float
+    blocks: tuple[BlockLocation, ...]
+
+    @property
+    def keys(self) -> list[BlockKey]:
+        return [block.key for block in self.blocks]
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Longest consecutive prefix of committed, readable blocks (and a lease on them)."""
+
+    hit_blocks: int
+    lease: Lease | None
+
+    @property
+    def keys(self) -> list[BlockKey]:
+        return self.lease.keys if self.lease is not None else []
+
+
+@dataclass(frozen=True)
+class PutResult:
+    stored: list[BlockKey] = field(default_factory=list)
+    existing: list[BlockKey] = field(default_factory=list)  # committed before: not rewritten
+    busy: list[BlockKey] = field(default_factory=list)  # another writer is storing it now
+    failed: list[BlockKey] = field(default_factory=list)  # not stored (nodes failed)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+@dataclass(frozen=True)
+class StripeRecord:
+    """One stripe as the repair sees it."""
+
+    key: BlockKey
+    placement: np.ndarray  # int32 (width,)
+    size: int
+    class_id: int
+    created: float

@@ -1,0 +1,368 @@
+"""Repair: declare nodes dead, then re-encode their stripes' shards onto healthy nodes.
+
+``HealthTracker`` is a pure state machine stepped with observations and a clock: a node is dead
+when the cluster says so, or when its health checks have failed for ``dead_after_s`` without a
+success in between; one success brings it back.
+
+``Repairer.step`` does one bounded batch (``repair_batch`` stripes): list stripes with a shard
+on a dead node (or a shard recorded lost) from every meta shard, read k shards of each (one
+call per source node), decode and check the block against its payload hash, re-encode, write
+each lost shard to the best healthy node outside the stripe (rendezvous order, so never a
+second shard of a stripe in one failure domain) with the same pending -> commit protocol as a
+put, then move the placement in the meta shard with a compare-and-set. Stripes that cannot be
+decoded (more than m shards lost) are counted and skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvstore.blockstore.config import BlockStoreConfig
+from kvstore.blockstore.fanout import META, NODE, Fanout
+from kvstore.blockstore.node import split_files
+from kvstore.blockstore.placement import meta_shard_of, replacement
+from kvstore.blockstore.records import StripeRecord
+from kvstore.blockstore.shardfile import parse_node_header, payload_hash, shard_view
+from kvstore.clock import Clock, SystemClock
+from kvstore.ec import Codec
+from kvstore.errors import CorruptShard, NodeDead, NodeUnavailable, StoreError, TooFewShards
+
+log = logging.getLogger(__name__)
+
+
+class HealthTracker:
+    def __init__(self, dead_after_s: float, clock: Clock | None = None) -> None:
+        self._dead_after = dead_after_s
+        self._clock = clock or SystemClock()
+        self._failing_since: dict[int, float] = {}
+        self._dead: set[int] = set()
+
+    def observe(self, node: int, ok: bool, definitely_dead: bool = False) -> None:
+        now = self._clock.now()
+        if ok:
+            self._failing_since.pop(node, None)
+            self._dead.discard(node)
+            return
+        since = self._failing_since.setdefault(node, now)
+        if definitely_dead or now - since >= self._dead_after:
+            self._dead.add(node)
+
+    def declare_dead(self, node: int) -> None:
+        self._failing_since.setdefault(node, self._clock.now())
+        self._dead.add(node)
+
+    @property
+    def dead(self) -> set[int]:
+        return set(self._dead)
+
+    def failing(self) -> dict[int, float]:
+        return dict(self._failing_since)
+
+
+class Repairer:
+    def __init__(
+        self,
+        config: BlockStoreConfig,
+        fanout: Fanout,
+        node_ids: Sequence[int] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config
+        self._fanout = fanout
+        self._clock = clock or SystemClock()
+        self._codec = Codec(config.data_shards, config.parity_shards)
+        self._nodes = list(node_ids if node_ids is not None else range(config.storage_nodes))
+        self._cursor = dict.fromkeys(range(config.meta_shards), 0)
+        self.counters: dict[str, float] = defaultdict(float)
+        for name in ("stripes", "shards", "bytes", "unrecoverable", "seconds"):
+            self.counters[name] = 0.0
+
+    def set_nodes(self, node_ids: Iterable[int]) -> None:
+        self._nodes = sorted({int(node) for node in node_ids})
+
+    def _gather(self, tickets: dict[Any, Any]) -> dict[Any, Any]:
+        outcomes: dict[Any, Any] = {}
+        deadline = time.monotonic() + self.config.call_timeout_s
+        pending = set(tickets)
+        while pending and time.monotonic() < deadline:
+            for ticket in self._fanout.wait(list(pending), deadline - time.monotonic()):
+                pending.discard(ticket)
+                try:
+                    outcomes[ticket] = self._fanout.result(ticket)
+                except NodeUnavailable as error:
+                    outcomes[ticket] = error
+        for ticket in pending:
+            outcomes[ticket] = NodeUnavailable(f"{tickets[ticket]} timed out")
+        return outcomes
+
+    def probe(self, health: HealthTracker) -> None:
+        """One round of health checks of every node."""
+        tickets = {self._fanout.submit((NODE, node), "ping"): node for node in self._nodes}
+        for ticket, outcome in self._gather(tickets).items():
+            node = tickets[ticket]
+            if isinstance(outcome, NodeUnavailable):
+                health.observe(node, False, definitely_dead=isinstance(outcome, NodeDead))
+            else:
+                health.observe(node, True)
+
+    def publish_down(self, dead: set[int]) -> None:
+        """Tell every meta shard which nodes are dead (their shards stop counting as
+        readable) and which are not."""
+        up = [node for node in self._nodes if node not in dead]
+        tickets = {
+            self._fanout.submit((META, shard), "mark_nodes", sorted(dead), up): shard
+            for shard in range(self.config.meta_shards)
+        }
+        self._gather(tickets)
+
+    def scrub(self, dead: set[int], limit: int) -> int:
+        """Have every live node verify up to ``limit`` shards; a corrupt shard (quarantined by
+        its node) is recorded lost in its meta shard, so ``step`` re-creates it. Returns the
+        number of corrupt shards found."""
+        live = [node for node in self._nodes if node not in dead]
+        tickets = {self._fanout.submit((NODE, node), "scrub", limit): node for node in live}
+        moves: dict[int, list[tuple[bytes, int, int, int]]] = defaultdict(list)
+        for ticket, outcome in self._gather(tickets).items():
+            if isinstance(outcome, NodeUnavailable):
+                continue
+            node = tickets[ticket]
+            corrupt = list(outcome.get("corrupt", []))
+            if not corrupt:
+                continue
+            owners = meta_shard_of([key for key, _ in corrupt], self.config.meta_shards)
+            for (key, index), owner in zip(corrupt, owners, strict=True):
+                moves[int(owner)].append((bytes(key), int(index), -1, node))
+        found = sum(len(batch) for batch in moves.values())
+        self._gather(
+            {
+                self._fanout.submit((META, shard), "set_placements", batch): shard
+                for shard, batch in moves.items()
+            }
+        )
+        self.counters["corrupt_shards"] += found
+        return found
+
+    def step(self, dead: set[int]) -> dict[str, float]:
+        """Repair up to ``repair_batch`` stripes; returns this step's counts."""
+        started = time.monotonic()
+        live = [node for node in self._nodes if node not in dead]
+        per_shard = max(1, self.config.repair_batch // self.config.meta_shards)
+        tickets = {
+            self._fanout.submit(
+                (META, shard), "stripes_to_repair", sorted(dead), per_shard, self._cursor[shard]
+            ): shard
+            for shard in range(self.config.meta_shards)
+        }
+        stripes: list[tuple[int, StripeRecord]] = []
+        for ticket, outcome in self._gather(tickets).items():
+            shard = tickets[ticket]
+            if isinstance(outcome, NodeUnavailable):
+                continue
+            found, next_row = outcome
+            self._cursor[shard] = next_row
+            stripes.extend((shard, stripe) for stripe in found)
+        result = {"stripes": 0.0, "shards": 0.0, "bytes": 0.0, "unrecoverable": 0.0}
+        if not stripes:
+            return result
+        blocks = self._read_blocks([stripe for _, stripe in stripes], dead)
+        writes: dict[int, list[tuple[int, int, np.ndarray, bytes]]] = defaultdict(list)
+        for position, (_, stripe) in enumerate(stripes):
+            block = blocks[position]
+            if block is None:
+                result["unrecoverable"] += 1
+                continue
+            data, digest = block
+            encoded = self._codec.encode(data, stripe.key)
+            taken = {int(n) for n in stripe.placement if n >= 0 and int(n) not in dead}
+            for index, node in enumerate(stripe.placement):
+                if node >= 0 and int(node) not in dead:
+                    continue
+                target = replacement(stripe.key, live, sorted(taken))
+                if target is None:
+                    continue
+                taken.add(target)
+                writes[target].append((position, index, encoded[index], digest))
+        moves = self._write_shards(stripes, writes)
+        moved_tickets = {}
+        by_shard: dict[int, list[tuple[bytes, int, int, int]]] = defaultdict(list)
+        for shard, move in moves:
+            by_shard[shard].append(move)
+        for shard, batch in by_shard.items():
+            moved_tickets[self._fanout.submit((META, shard), "set_placements", batch)] = batch
+        repaired_stripes: set[bytes] = set()
+        for ticket, outcome in self._gather(moved_tickets).items():
+            if isinstance(outcome, NodeUnavailable):
+                continue
+            for (key, _index, _node, _old), ok in zip(moved_tickets[ticket], outcome, strict=True):
+                if ok:
+                    result["shards"] += 1
+                    repaired_stripes.add(bytes(key))
+        result["stripes"] = float(len(repaired_stripes))
+        result["bytes"] = float(
+            sum(shard.size for items in writes.values() for _, _, shard, _ in items)
+        )
+        result["seconds"] = time.monotonic() - started
+        for name, value in result.items():
+            self.counters[name] += value
+        return result
+
+    def _read_blocks(
+        self, stripes: list[StripeRecord], dead: set[int]
+    ) -> list[tuple[np.ndarray, bytes] | None]:
+        """Decode each stripe's block from its healthy shards (verified by payload hash)."""
+        per_node: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for position, stripe in enumerate(stripes):
+            for index, node in enumerate(stripe.placement):
+                if node >= 0 and int(node) not in dead:
+                    per_node[int(node)].append((position, index))
+        files: list[list[Any]] = [[None] * self.config.stripe_width for _ in stripes]
+        tickets = {
+            self._fanout.submit((NODE, node), "get", [stripes[p].key for p, _ in items]): items
+            for node, items in per_node.items()
+        }
+        for ticket, outcome in self._gather(tickets).items():
+            if isinstance(outcome, NodeUnavailable):
+                continue
+            try:
+                got = split_files(outcome)
+            except (StoreError, TypeError, ValueError):
+                continue
+            if len(got) != len(tickets[ticket]):
+                continue
+            for (position, index), file in zip(tickets[ticket], got, strict=True):
+                files[position][index] = file
+        blocks: list[tuple[np.ndarray, bytes] | None] = []
+        for position, stripe in enumerate(stripes):
+            blocks.append(self._decode(stripe, files[position]))
+        return blocks
+
+    def _decode(self, stripe: StripeRecord, files: list[Any]) -> tuple[np.ndarray, bytes] | None:
+        groups: dict[bytes, list[int]] = defaultdict(list)
+        for index, file in enumerate(files):
+            if file is None:
+                continue
+            try:
+                groups[parse_node_header(file).payload_hash].append(index)
+            except CorruptShard:
+                continue
+        for digest, members in sorted(groups.items(), key=lambda item: -len(item[1])):
+            shards = [shard_view(files[i]) if i in members else None for i in range(len(files))]
+            try:
+                data = self._codec.decode(shards, size=stripe.size, key=stripe.key)
+            except TooFewShards:
+                continue
+            if payload_hash(data) == digest:
+                return np.frombuffer(data, dtype=np.uint8), digest
+        return None
+
+    def _write_shards(
+        self,
+        stripes: list[tuple[int, StripeRecord]],
+        writes: dict[int, list[tuple[int, int, np.ndarray, bytes]]],
+    ) -> list[tuple[int, tuple[bytes, int, int, int]]]:
+        """Write and commit new shards; returns (meta shard, placement move) per shard landed."""
+        token = secrets.randbits(64)
+        put_tickets = {}
+        for node, items in writes.items():
+            ticket = self._fanout.submit(
+                (NODE, node),
+                "put",
+                token,
+                [stripes[p][1].key for p, _, _, _ in items],
+                [shard for _, _, shard, _ in items],
+                [digest for _, _, _, digest in items],
+                [stripes[p][1].class_id for p, _, _, _ in items],
+                [stripes[p][1].created for p, _, _, _ in items],
+            )
+            put_tickets[ticket] = (node, items)
+        written: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for ticket, outcome in self._gather(put_tickets).items():
+            node, items = put_tickets[ticket]
+            if isinstance(outcome, NodeUnavailable):
+                self.counters["write_failures"] += 1
+                continue
+            for (position, index, _, _), ok in zip(items, outcome, strict=True):
+                if ok:
+                    written[node].append((position, index))
+        commit_tickets = {
+            self._fanout.submit(
+                (NODE, node), "commit", token, [stripes[p][1].key for p, _ in landed]
+            ): (node, landed)
+            for node, landed in written.items()
+        }
+        moves: list[tuple[int, tuple[bytes, int, int, int]]] = []
+        for ticket, outcome in self._gather(commit_tickets).items():
+            node, landed = commit_tickets[ticket]
+            if isinstance(outcome, NodeUnavailable):
+                continue
+            for (position, index), ok in zip(landed, outcome, strict=True):
+                if ok:
+                    shard, stripe = stripes[position]
+                    old = int(stripe.placement[index])
+                    moves.append((shard, (bytes(stripe.key), index, node, old)))
+        return moves
+
+    def stats(self) -> dict[str, float]:
+        stats = dict(self.counters)
+        seconds = stats.get("seconds", 0.0)
+        stats["throughput_bytes_per_s"] = stats.get("bytes", 0.0) / seconds if seconds else 0.0
+        return stats
+
+
+class RepairLoop:
+    """One control loop: probe health, publish the dead set, repair a bounded batch.
+
+    ``tick`` never raises: a failing step is logged and counted, the next tick tries again.
+    """
+
+    def __init__(
+        self,
+        repairer: Repairer,
+        health: HealthTracker,
+        scrub_every: int = 60,
+        scrub_limit: int = 256,
+    ) -> None:
+        """``scrub_every``: ticks between scrub passes (0 = never); each pass verifies up to
+        ``scrub_limit`` shards per node, round robin, so the whole disk is covered over time."""
+        self.repairer = repairer
+        self.health = health
+        self._scrub_every = scrub_every
+        self._scrub_limit = scrub_limit
+        self._published: set[int] | None = None
+        self.ticks = 0
+        self.errors = 0
+        self.last_step: dict[str, float] = {}
+
+    def tick(self) -> dict[str, float]:
+        self.ticks += 1
+        try:
+            self.repairer.probe(self.health)
+            dead = self.health.dead
+            if dead != self._published:
+                self.repairer.publish_down(dead)
+                self._published = dead
+            if self._scrub_every and self.ticks % self._scrub_every == 0:
+                self.repairer.scrub(dead, self._scrub_limit)
+            self.last_step = self.repairer.step(dead)
+        except Exception:  # a control loop survives a failing step
+            self.errors += 1
+            log.exception("repair tick failed")
+            self.last_step = {}
+        return self.last_step
+
+    def stats(self) -> dict[str, object]:
+        return {
+            **self.repairer.stats(),
+            "dead_nodes": sorted(self.health.dead),
+            "failing_nodes": sorted(self.health.failing()),
+            "ticks": self.ticks,
+            "errors": self.errors,
+            "last_step": dict(self.last_step),
+        }

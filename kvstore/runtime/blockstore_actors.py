@@ -1,0 +1,396 @@
+"""Ray shells of the Block KVCache tier: storage nodes, meta shards, the repair loop.
+
+Each shell forwards to the plain object holding the logic (``kvstore.blockstore``); what lives
+here is only what needs Ray: finding peers by actor name, background threads (a meta shard's
+rebuild, the repair loop) and timeouts on calls to peers.
+
+Actor names (namespace of the driver, ``kvstore`` by default): ``<deployment>-node-<i>``,
+``<deployment>-meta-<i>``, ``<deployment>-repair``. Nodes and meta shards restart without limit
+(``max_restarts=-1``) with their constructor arguments: a restarted node re-opens its data
+directory, a restarted meta shard rebuilds its index from the nodes' manifests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+from ray.exceptions import RayError
+
+from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
+from kvstore.blockstore.fanout import META, NODE, Target
+from kvstore.blockstore.meta import MetaReply, MetaShard
+from kvstore.blockstore.node import StorageNode
+from kvstore.blockstore.placement import meta_shard_of
+from kvstore.blockstore.records import RemovedBlock, StripeRecord
+from kvstore.blockstore.repair import HealthTracker, Repairer, RepairLoop
+from kvstore.errors import StoreError
+from kvstore.keys import BlockKey
+from kvstore.runtime.fanout import RayFanout
+
+log = logging.getLogger(__name__)
+
+
+def node_actor_name(deployment: str, node_id: int) -> str:
+    return f"{deployment}-node-{node_id}"
+
+
+def meta_actor_name(deployment: str, shard_id: int) -> str:
+    return f"{deployment}-meta-{shard_id}"
+
+
+def repair_actor_name(deployment: str) -> str:
+    return f"{deployment}-repair"
+
+
+def find_actor(name: str) -> Any:
+    """The live actor called ``name`` in this job's namespace, or None."""
+    try:
+        return ray.get_actor(name)
+    except ValueError:
+        return None
+
+
+def name_resolver(deployment: str) -> Any:
+    def resolve(target: Target) -> Any:
+        kind, ident = target
+        if kind == NODE:
+            return find_actor(node_actor_name(deployment, ident))
+        if kind == META:
+            return find_actor(meta_actor_name(deployment, ident))
+        return None
+
+    return resolve
+
+
+@ray.remote
+class StorageNodeActor:
+    def __init__(
+        self,
+        node_id: int,
+        data_dir: str,
+        node_config: StorageNodeConfig,
+        deployment: str,
+        meta_shards: int,
+        call_timeout_s: float,
+    ) -> None:
+        self._node = StorageNode(node_id, data_dir, node_config)
+        self._incarnation = os.urandom(8).hex()
+        self._deployment = deployment
+        self._meta_shards = meta_shards
+        self._timeout = call_timeout_s
+
+    def ping(self) -> int:
+        return self._node.ping()
+
+    def incarnation(self) -> str:
+        """Differs after every (re)start of the actor."""
+        return self._incarnation
+
+    def put(
+        self,
+        token: int,
+        keys: Sequence[bytes],
+        shards: Sequence[np.ndarray],
+        payload_hashes: Sequence[bytes],
+        class_ids: Sequence[int],
+        created: Sequence[float],
+    ) -> list[bool]:
+        return self._node.put(token, keys, shards, payload_hashes, class_ids, created)
+
+    def commit(self, token: int, keys: Sequence[bytes]) -> list[bool]:
+        return self._node.commit(token, keys)
+
+    def abort(self, token: int, keys: Sequence[bytes]) -> int:
+        return self._node.abort(token, keys)
+
+    def get(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        return self._node.get(keys)
+
+    def delete(self, keys: Sequence[bytes], not_after: float | None = None) -> int:
+        return self._node.delete(keys, not_after)
+
+    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._node.holds(keys)
+
+    def usage(self) -> dict[str, int]:
+        return self._node.usage()
+
+    def stats(self) -> dict[str, object]:
+        return self._node.stats()
+
+    def manifest(
+        self, meta_shard: int | None = None, num_meta_shards: int | None = None
+    ) -> pa.Table:
+        return self._node.manifest(meta_shard, num_meta_shards)
+
+    def snapshot(self) -> int:
+        return self._node.snapshot()
+
+    def scrub(self, limit: int = 1024) -> dict[str, object]:
+        return self._node.scrub(limit)
+
+    def reclaim_orphans(self, grace_s: float) -> dict[str, int]:
+        """Delete pending shards older than ``grace_s`` and committed ones no meta shard maps to
+        this node. A meta shard that does not answer makes the whole pass keep everything."""
+        node_id = self._node.node_id
+
+        def referenced(keys: list[BlockKey]) -> list[bool]:
+            owners = meta_shard_of(keys, self._meta_shards)
+            groups: dict[int, list[int]] = defaultdict(list)
+            for position, owner in enumerate(owners):
+                groups[int(owner)].append(position)
+            answer = [True] * len(keys)
+            for owner, positions in groups.items():
+                meta = find_actor(meta_actor_name(self._deployment, owner))
+                if meta is None:
+                    raise StoreError(f"meta shard {owner} not found; keeping every shard")
+                try:
+                    reply = ray.get(
+                        meta.referenced.remote([keys[p] for p in positions], node_id),
+                        timeout=self._timeout,
+                    )
+                except RayError as error:
+                    raise StoreError(f"meta shard {owner} did not answer: {error}") from None
+                for position, used in zip(positions, reply, strict=True):
+                    answer[position] = bool(used)
+            return answer
+
+        try:
+            return self._node.reclaim_orphans(referenced, grace_s)
+        except StoreError as error:
+            log.warning("node %d: orphan reclaim skipped: %s", node_id, error)
+            return {"pending_reclaimed": 0, "committed_reclaimed": 0, "skipped": 1}
+
+
+@ray.remote
+class MetaShardActor:
+    def __init__(self, shard_id: int, config: BlockStoreConfig, node_ids: Sequence[int]) -> None:
+        self._meta = MetaShard(shard_id, config, rebuilding=True)
+        self._incarnation = os.urandom(8).hex()
+        self._config = config
+        self._node_ids = list(node_ids)
+        self._lock = threading.Lock()
+        self._rebuild_report: dict[str, object] = {}
+        self._start_rebuild()
+
+    def _start_rebuild(self) -> None:
+        with self._lock:
+            self._meta.begin_rebuild()
+        threading.Thread(target=self._rebuild, name="meta-rebuild", daemon=True).start()
+
+    def _rebuild(self) -> None:
+        """Read every node's manifest (slice of this shard) and install the index."""
+        started = time.monotonic()
+        config = self._config
+        shard = self._meta.shard_id
+        refs = {}
+        for node_id in self._node_ids:
+            handle = find_actor(node_actor_name(config.deployment, node_id))
+            if handle is not None:
+                refs[node_id] = handle.manifest.remote(shard, config.meta_shards)
+        absorbed, failed = 0, []
+        deadline = time.monotonic() + 3 * config.call_timeout_s
+        for node_id, ref in refs.items():
+            try:
+                table = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except RayError as error:
+                failed.append(node_id)
+                log.warning("meta %d: manifest of node %d unavailable: %s", shard, node_id, error)
+                continue
+            with self._lock:
+                absorbed += self._meta.absorb_manifest(node_id, table)
+        with self._lock:
+            restored = self._meta.finish_rebuild()
+        missing = sorted(set(self._node_ids) - set(refs))
+        self._rebuild_report = {
+            "restored_blocks": restored,
+            "shards_seen": absorbed,
+            "nodes_failed": failed + missing,
+            "seconds": time.monotonic() - started,
+        }
+
+    def ready(self) -> bool:
+        with self._lock:
+            return not self._meta.rebuilding
+
+    def incarnation(self) -> str:
+        """Differs after every (re)start of the actor."""
+        return self._incarnation
+
+    def rebuild(self) -> None:
+        """Start a fresh rebuild (operator action; lookups are misses until it ends)."""
+        self._start_rebuild()
+
+    def begin_put(self, keys: Sequence[bytes], token: int) -> list[int]:
+        with self._lock:
+            return self._meta.begin_put(keys, token)
+
+    def commit(
+        self,
+        keys: Sequence[bytes],
+        token: int,
+        placements: np.ndarray,
+        sizes: Sequence[int],
+        class_id: int,
+    ) -> list[bool]:
+        with self._lock:
+            return self._meta.commit(keys, token, placements, sizes, class_id)
+
+    def abort_put(self, keys: Sequence[bytes], token: int) -> None:
+        with self._lock:
+            self._meta.abort_put(keys, token)
+
+    def lookup(
+        self,
+        keys: Sequence[bytes],
+        down_nodes: Sequence[int] = (),
+        traffic_class: str | None = None,
+        lease_seconds: float | None = None,
+    ) -> MetaReply:
+        with self._lock:
+            return self._meta.lookup(keys, down_nodes, traffic_class, lease_seconds)
+
+    def locate(
+        self,
+        keys: Sequence[bytes],
+        down_nodes: Sequence[int] = (),
+        traffic_class: str | None = None,
+        lease_until: float | None = None,
+    ) -> MetaReply:
+        with self._lock:
+            return self._meta.locate(keys, down_nodes, traffic_class, lease_until)
+
+    def release(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            return self._meta.release(keys)
+
+    def mark_nodes(self, down: Sequence[int] = (), up: Sequence[int] = ()) -> list[int]:
+        with self._lock:
+            return self._meta.mark_nodes(down, up)
+
+    def stripes_to_repair(
+        self, dead_nodes: Sequence[int], limit: int, start_row: int = 0
+    ) -> tuple[list[StripeRecord], int]:
+        with self._lock:
+            return self._meta.stripes_to_repair(dead_nodes, limit, start_row)
+
+    def set_placements(self, moves: Sequence[tuple[bytes, int, int, int]]) -> list[bool]:
+        with self._lock:
+            return self._meta.set_placements(moves)
+
+    def referenced(self, keys: Sequence[bytes], node_id: int) -> list[bool]:
+        with self._lock:
+            return self._meta.referenced(keys, node_id)
+
+    def gc_expire(
+        self,
+        now: float,
+        ttl_seconds_by_class: dict[str, float],
+        basis: str = "last_access",
+        limit: int | None = None,
+    ) -> list[RemovedBlock]:
+        with self._lock:
+            return self._meta.gc_expire(now, ttl_seconds_by_class, basis, limit)
+
+    def gc_lru_candidates(self, now: float, bytes_needed: int) -> list[tuple[float, bytes, int]]:
+        with self._lock:
+            return self._meta.gc_lru_candidates(now, bytes_needed)
+
+    def gc_evict(self, keys: Sequence[bytes], now: float) -> list[RemovedBlock]:
+        with self._lock:
+            return self._meta.gc_evict(keys, now)
+
+    def stored_bytes_by_class(self) -> dict[str, int]:
+        with self._lock:
+            return self._meta.stored_bytes_by_class()
+
+    def snapshot_table(self) -> pa.Table:
+        with self._lock:
+            return self._meta.snapshot_table()
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            return {**self._meta.stats(), "last_rebuild": dict(self._rebuild_report)}
+
+
+@ray.remote
+class RepairActor:
+    """Health checks + repair, as a background loop every ``health_interval_s``."""
+
+    def __init__(self, config: BlockStoreConfig, node_ids: Sequence[int], run: bool = True):
+        fanout = RayFanout({}, resolve=name_resolver(config.deployment))
+        self._loop = RepairLoop(
+            Repairer(config, fanout, node_ids), HealthTracker(config.dead_after_s)
+        )
+        self._interval = config.health_interval_s
+        self._lock = threading.Lock()
+        self._running = run
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="repair-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            if not self._running:
+                continue
+            with self._lock:
+                step = self._loop.tick()
+            # Keep going without a pause while a repair backlog is being worked off.
+            while step.get("stripes") and self._running and not self._stop.is_set():
+                with self._lock:
+                    step = self._loop.tick()
+
+    def tick(self) -> dict[str, float]:
+        """Run one cycle now (tests and operators)."""
+        with self._lock:
+            return self._loop.tick()
+
+    def pause(self, paused: bool = True) -> None:
+        self._running = not paused
+
+    def declare_dead(self, node_id: int) -> None:
+        with self._lock:
+            self._loop.health.declare_dead(int(node_id))
+
+    def set_nodes(self, node_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._loop.repairer.set_nodes(node_ids)
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            return self._loop.stats()
+
+
+def actor_options(name: str, **extra: Any) -> dict[str, Any]:
+    """Options every block tier actor shares (MEASURED.md: task events off, no CPU held)."""
+    options: dict[str, Any] = {
+        "name": name,
+        "num_cpus": 0,
+        "enable_task_events": False,
+        "max_restarts": -1,
+        "max_task_retries": 0,
+    }
+    options.update(extra)
+    return options
+
+
+__all__ = [
+    "MetaShardActor",
+    "RepairActor",
+    "StorageNodeActor",
+    "actor_options",
+    "find_actor",
+    "meta_actor_name",
+    "name_resolver",
+    "node_actor_name",
+    "repair_actor_name",
+]

@@ -1,0 +1,207 @@
+"""Stand the Block KVCache tier up on a Ray cluster and hand out clients.
+
+Placement of storage nodes (one actor = one failure domain, its own data dir):
+- on a ``LocalCluster``: node i on machine ``i mod machines`` (custom resource pin);
+- on a cluster with at least ``storage_nodes`` Ray nodes: one per Ray node, hard node affinity;
+- otherwise (one machine): N actors spread over the Ray nodes there are, each its own domain.
+Meta shards and the repair loop go anywhere (``num_cpus=0``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+
+from kvstore.blockstore.client import BlockStoreClient
+from kvstore.blockstore.config import BlockStoreConfig
+from kvstore.blockstore.fanout import META, NODE, Target
+from kvstore.errors import StoreError
+from kvstore.runtime.blockstore_actors import (
+    MetaShardActor,
+    RepairActor,
+    StorageNodeActor,
+    actor_options,
+    find_actor,
+    meta_actor_name,
+    name_resolver,
+    node_actor_name,
+    repair_actor_name,
+)
+from kvstore.runtime.cluster import LocalCluster, alive_node_ids, pin_to_machine, pin_to_node
+from kvstore.runtime.fanout import RayFanout
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 120.0
+
+
+def node_data_dir(config: BlockStoreConfig, node_id: int) -> str:
+    return os.path.join(config.data_root, f"node-{node_id}")
+
+
+@dataclass
+class BlockStoreHandles:
+    """Actor handles of one deployment (also rebuildable by name from any driver)."""
+
+    config: BlockStoreConfig
+    nodes: dict[int, Any]
+    metas: list[Any]
+    repair: Any | None = None
+    node_options: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def fanout(self) -> RayFanout:
+        handles: dict[Target, Any] = {(NODE, i): h for i, h in self.nodes.items()}
+        handles.update({(META, i): h for i, h in enumerate(self.metas)})
+        return RayFanout(handles, resolve=name_resolver(self.config.deployment))
+
+    def client(self) -> BlockStoreClient:
+        return BlockStoreClient(self.config, self.fanout(), node_ids=sorted(self.nodes))
+
+    @classmethod
+    def from_names(cls, config: BlockStoreConfig) -> BlockStoreHandles:
+        """Find a running deployment's actors by name (e.g. from the gateway process)."""
+        nodes = {
+            i: find_actor(node_actor_name(config.deployment, i))
+            for i in range(config.storage_nodes)
+        }
+        metas = [
+            find_actor(meta_actor_name(config.deployment, i)) for i in range(config.meta_shards)
+        ]
+        missing = [f"node {i}" for i, h in nodes.items() if h is None]
+        missing += [f"meta {i}" for i, h in enumerate(metas) if h is None]
+        if missing:
+            raise StoreError(f"block store {config.deployment!r} not found: {missing}")
+        return cls(config, nodes, metas, find_actor(repair_actor_name(config.deployment)))
+
+    def wait_ready(self, timeout: float = _START_TIMEOUT_S) -> None:
+        """Until every node answers and every meta shard finished its rebuild."""
+        deadline = time.monotonic() + timeout
+        ray.get([h.ping.remote() for h in self.nodes.values()], timeout=timeout)
+        while True:
+            left = deadline - time.monotonic()
+            ready = ray.get([m.ready.remote() for m in self.metas], timeout=max(1.0, left))
+            if all(ready):
+                return
+            if left <= 0:
+                raise StoreError("meta shards did not finish rebuilding in time")
+            time.sleep(0.05)
+
+    def kill_node(self, node_id: int, restart: bool) -> None:
+        """Crash a storage node: ``restart=True`` lets Ray start it again on its data dir."""
+        ray.kill(self.nodes[node_id], no_restart=not restart)
+
+    def kill_meta(self, shard_id: int, restart: bool = True) -> None:
+        ray.kill(self.metas[shard_id], no_restart=not restart)
+
+    def start_node(self, node_id: int) -> Any:
+        """(Re)create storage node ``node_id`` on its data dir (after a permanent kill)."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                handle = _start_node(self.config, node_id, self.node_options.get(node_id, {}))
+                break
+            except ValueError:  # the dead actor's name is released asynchronously
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        self.nodes[node_id] = handle
+        ray.get(handle.ping.remote(), timeout=_START_TIMEOUT_S)
+        return handle
+
+    def shutdown(self) -> None:
+        """Kill every actor of the deployment (data dirs stay)."""
+        for handle in [*self.nodes.values(), *self.metas, self.repair]:
+            if handle is None:
+                continue
+            try:
+                ray.kill(handle, no_restart=True)
+            except (RayError, ValueError):
+                pass
+        # Names are released asynchronously; wait so a redeploy can reuse them.
+        names = [node_actor_name(self.config.deployment, i) for i in self.nodes]
+        names += [meta_actor_name(self.config.deployment, i) for i in range(len(self.metas))]
+        names.append(repair_actor_name(self.config.deployment))
+        deadline = time.monotonic() + 30
+        while any(find_actor(name) is not None for name in names):
+            if time.monotonic() > deadline:
+                log.warning("block store actors still registered after shutdown")
+                return
+            time.sleep(0.05)
+
+
+def _start_node(config: BlockStoreConfig, node_id: int, placement: dict[str, Any]) -> Any:
+    options = actor_options(node_actor_name(config.deployment, node_id), **placement)
+    return StorageNodeActor.options(**options).remote(  # type: ignore[attr-defined]
+        node_id,
+        node_data_dir(config, node_id),
+        config.node,
+        config.deployment,
+        config.meta_shards,
+        config.call_timeout_s,
+    )
+
+
+def _node_placements(
+    config: BlockStoreConfig, cluster: LocalCluster | None
+) -> dict[int, dict[str, Any]]:
+    count = config.storage_nodes
+    if cluster is not None:
+        machines = cluster.machines
+        if not machines:
+            raise StoreError("the local cluster has no machines to place storage nodes on")
+        return {i: pin_to_machine(machines[i % len(machines)]) for i in range(count)}
+    ray_nodes = alive_node_ids()
+    if not ray_nodes:
+        return {i: {} for i in range(count)}
+    return {i: pin_to_node(ray_nodes[i % len(ray_nodes)]) for i in range(count)}
+
+
+def deploy_blockstore(
+    config: BlockStoreConfig,
+    cluster: LocalCluster | None = None,
+    *,
+    start_repair: bool = True,
+    wait: bool = True,
+) -> BlockStoreHandles:
+    """Create the storage nodes, meta shards and repair loop of ``config`` (Ray connected).
+
+    Data dirs under ``config.data_root`` are reused as found: deploying on the dirs of a
+    previous deployment restores every committed block (meta shards rebuild from manifests).
+    """
+    if not ray.is_initialized():
+        raise StoreError("Ray is not connected: call kvstore.runtime.cluster.connect() first")
+    placements = _node_placements(config, cluster)
+    nodes = {i: _start_node(config, i, placements[i]) for i in range(config.storage_nodes)}
+    node_ids = sorted(nodes)
+    if wait:  # nodes first, so the meta shards' rebuild finds them answering
+        ray.get([h.ping.remote() for h in nodes.values()], timeout=_START_TIMEOUT_S)
+    metas = [
+        MetaShardActor.options(  # type: ignore[attr-defined]
+            **actor_options(meta_actor_name(config.deployment, i))
+        ).remote(i, config, node_ids)
+        for i in range(config.meta_shards)
+    ]
+    repair = None
+    if start_repair:
+        repair = RepairActor.options(  # type: ignore[attr-defined]
+            **actor_options(repair_actor_name(config.deployment))
+        ).remote(config, node_ids)
+    handles = BlockStoreHandles(config, nodes, metas, repair, placements)
+    if wait:
+        handles.wait_ready()
+    return handles
+
+
+def make_client(handles: BlockStoreHandles) -> BlockStoreClient:
+    return handles.client()
+
+
+def connect_client(config: BlockStoreConfig) -> BlockStoreClient:
+    """A client of an already deployed tier, found by actor names."""
+    return BlockStoreHandles.from_names(config).client()

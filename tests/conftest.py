@@ -1,0 +1,32 @@
+"""Session-wide fixtures shared by every test file.
+
+``ray_cluster``: ONE real local Ray cluster per pytest process (head without CPUs + 3 machines,
+loopback only, short health checks so a machine removed without notice is declared dead in ~2 s).
+It starts lazily, the first time a test asks for it, and stops at the end of the session. Tests
+that remove machines must ``add_machine()`` their own first and remove only those; tests that
+create actors should kill them when done (the cluster outlives the test).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvstore.runtime.cluster import LocalCluster
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[LocalCluster]:
+    cluster = LocalCluster.start(num_machines=3)
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Every test that stands on the Ray cluster carries the `ray` marker (select with -m ray).
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
