@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from kvstore.api.backend import BlockRead, HitAnswer, PutAnswer, StateRead, Stats
+from kvstore.api.coalesce import Coalescer
 from kvstore.blockstore.client import BlockStoreClient
 from kvstore.blockstore.records import Lease
 from kvstore.errors import InvalidArgument, LeaseError, StoreError
@@ -25,7 +26,8 @@ from kvstore.geometry import GeometryConfig
 from kvstore.hitplan import MODES, check_store_position
 from kvstore.keys import BlockKey
 from kvstore.swa.client import SWAClient
-from kvstore.swa.hit import BlockClientLookup, HitQuery
+from kvstore.swa.directory import StoreRef
+from kvstore.swa.hit import HitQuery
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,31 @@ class _LeaseTable:
         return len(self._leases)
 
 
+class _CoalescedBlocks:
+    """``BlockLookup`` for one traffic class, through the gateway's shared lookup coalescer."""
+
+    def __init__(self, backend: ClusterBackend, traffic_class: str) -> None:
+        self._backend = backend
+        self._traffic_class = traffic_class
+
+    def lookup(self, keys: Sequence[BlockKey]) -> tuple[int, Any]:
+        result = self._backend._lookups.call((keys, self._traffic_class))
+        return int(result.hit_blocks), result.lease
+
+    def release(self, lease: Any) -> None:
+        self._backend._blocks.release_many([lease], wait=False)
+
+
+class _CoalescedStates:
+    """``StateLocator`` through the gateway's shared directory-lookup coalescer."""
+
+    def __init__(self, backend: ClusterBackend) -> None:
+        self._backend = backend
+
+    def locate(self, key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None:
+        return self._backend._locates.call(key)
+
+
 class ClusterBackend:
     """``kvstore.api.backend.Backend`` over a deployed block tier and SWA tier."""
 
@@ -91,6 +118,13 @@ class ClusterBackend:
         self._counters: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._degraded_reads = 0
         self._lock = threading.Lock()
+        # Concurrent QueryHits share one round of meta-shard and directory calls.
+        self._lookups: Coalescer[tuple[Sequence[BlockKey], str], Any] = Coalescer(
+            blocks.lookup_many
+        )
+        self._locates: Coalescer[BlockKey, StoreRef | None] = Coalescer(
+            lambda keys: swa.lookup(list(keys))
+        )
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -109,8 +143,8 @@ class ClusterBackend:
 
     def _hit_query(self, traffic_class: str) -> HitQuery:
         return HitQuery(
-            blocks=BlockClientLookup(self._blocks, traffic_class),
-            states=self._swa,
+            blocks=_CoalescedBlocks(self, traffic_class),
+            states=_CoalescedStates(self),
             advisor=self._swa.advisor,
             geometry=self._geometry,
             local_machine=self._swa.local_machine,
@@ -139,10 +173,9 @@ class ClusterBackend:
         if lease is not None:
             if take_lease and lease.blocks:
                 lease_id = lease.lease_id
-                for old in self._leases.add(lease):
-                    self._blocks.release(old)
+                self._blocks.release_many(self._leases.add(lease), wait=False)
             else:
-                self._blocks.release(lease)
+                self._blocks.release_many([lease], wait=False)
         advice = result.advice
         return HitAnswer(
             plan=plan,
@@ -170,8 +203,8 @@ class ClusterBackend:
         try:
             payloads = self._blocks.get_blocks(keys, lease)
         finally:
-            if lease is not None:
-                self._blocks.release(lease)  # the read is done: GC may collect again
+            if lease is not None:  # the read is done: GC may collect again
+                self._blocks.release_many([lease], wait=False)
         degraded = self._blocks.counters.get("degraded_blocks", 0) - degraded_before
         with self._lock:
             self._degraded_reads += int(degraded)
@@ -207,7 +240,7 @@ class ClusterBackend:
         lease = self._leases.take(lease_id)
         if lease is None:
             return False
-        self._blocks.release(lease)
+        self._blocks.release_many([lease], wait=False)
         return True
 
     def stats(self) -> Stats:

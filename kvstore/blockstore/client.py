@@ -354,53 +354,102 @@ class BlockStoreClient:
     def lookup(self, keys: Sequence[bytes], traffic_class: str | None = None) -> LookupResult:
         """Longest consecutive prefix of ``keys`` whose blocks are committed and readable, with
         a lease on them (release it when read). Unreachable meta shards count as misses."""
-        checked = self._check_keys(keys)
-        n = len(checked)
-        readable = np.zeros(n, dtype=bool)
-        placements = np.full((n, self._width), -1, dtype=np.int32)
-        sizes = np.zeros(n, dtype=np.int64)
-        untils: list[float] = []
-        leased_groups: dict[int, list[int]] = {}
+        return self.lookup_many([(keys, traffic_class)])[0]
+
+    def lookup_many(
+        self, requests: Sequence[tuple[Sequence[bytes], str | None]]
+    ) -> list[LookupResult]:
+        """``lookup`` of several key lists in one round: one call per meta shard and traffic
+        class however many requests there are (a gateway coalesces concurrent QueryHits here,
+        so its Ray call rate does not grow with its concurrency)."""
+        checked = [self._check_keys(keys) for keys, _ in requests]
         down = self.down_nodes()
-        outcomes = self._meta_calls(checked, "lookup", down, traffic_class, None)
-        for shard, (positions, reply) in outcomes.items():
+        by_class: dict[str | None, list[int]] = defaultdict(list)
+        for index, (_, traffic_class) in enumerate(requests):
+            by_class[traffic_class].append(index)
+        # Per class: the requests' keys end to end, and where each request starts.
+        flat: dict[str | None, list[BlockKey]] = {}
+        starts: dict[int, tuple[str | None, int]] = {}
+        for traffic_class, members in by_class.items():
+            keys: list[BlockKey] = []
+            for index in members:
+                starts[index] = (traffic_class, len(keys))
+                keys.extend(checked[index])
+            flat[traffic_class] = keys
+        state = {
+            traffic_class: (
+                np.zeros(len(keys), dtype=bool),  # readable
+                np.full((len(keys), self._width), -1, dtype=np.int32),  # placements
+                np.zeros(len(keys), dtype=np.int64),  # sizes
+                np.full(len(keys), np.inf),  # lease end of the shard that answered the key
+            )
+            for traffic_class, keys in flat.items()
+        }
+        tickets: dict[Any, tuple[str | None, list[int]]] = {}
+        for traffic_class, keys in flat.items():
+            for shard, positions in self._by_meta(keys).items():
+                ticket = self._fanout.submit(
+                    (META, shard), "lookup", [keys[p] for p in positions], down, traffic_class, None
+                )
+                tickets[ticket] = (traffic_class, positions)
+        outcomes = self._gather(tickets, self.config.call_timeout_s)
+        for ticket, reply in outcomes.items():
+            traffic_class, positions = tickets[ticket]
             if isinstance(reply, NodeUnavailable):
                 self.counters["meta_unavailable"] += 1
                 continue
             assert isinstance(reply, MetaReply)
             self._learn_down(reply.down)
-            index = np.asarray(positions)
-            readable[index] = reply.readable
-            placements[index] = reply.placements
-            sizes[index] = reply.sizes
+            readable, placements, sizes, until = state[traffic_class]
+            at = np.asarray(positions)
+            readable[at] = reply.readable
+            placements[at] = reply.placements
+            sizes[at] = reply.sizes
             if reply.lease_until:
-                untils.append(reply.lease_until)
-                leased_groups[shard] = [
-                    p for p, ok in zip(positions, reply.readable, strict=True) if ok
-                ]
-        misses = np.flatnonzero(~readable)
-        hit = int(misses[0]) if misses.size else n
-        extras = [p for members in leased_groups.values() for p in members if p >= hit]
-        if extras:  # leased but beyond the prefix: give them back, no need to wait
-            for shard, positions in self._by_meta([checked[p] for p in extras]).items():
-                self._fanout.submit(
-                    (META, shard), "release", [checked[extras[p]] for p in positions]
-                )
-        self.counters["lookups"] += 1
-        self.counters["lookup_hit_blocks"] += hit
-        if hit == 0:
-            return LookupResult(0, None)
-        blocks = tuple(
-            BlockLocation(checked[p], tuple(int(x) for x in placements[p]), int(sizes[p]))
-            for p in range(hit)
-        )
-        return LookupResult(hit, Lease(secrets.token_hex(8), min(untils), blocks))
+                until[at] = reply.lease_until
+        results: list[LookupResult] = []
+        extras: list[BlockKey] = []
+        for index, keys in enumerate(checked):
+            traffic_class, start = starts[index]
+            readable, placements, sizes, until = state[traffic_class]
+            end = start + len(keys)
+            misses = np.flatnonzero(~readable[start:end])
+            hit = int(misses[0]) if misses.size else len(keys)
+            # Leased but beyond the prefix: give them back (below, without waiting).
+            extras.extend(keys[p] for p in np.flatnonzero(readable[start + hit : end]) + hit)
+            self.counters["lookups"] += 1
+            self.counters["lookup_hit_blocks"] += hit
+            if hit == 0:
+                results.append(LookupResult(0, None))
+                continue
+            rows = placements[start : start + hit].tolist()  # C-level: no per-int Python work
+            blocks = tuple(
+                BlockLocation(keys[p], tuple(rows[p]), size)
+                for p, size in enumerate(sizes[start : start + hit].tolist())
+            )
+            lease_end = float(until[start : start + hit].min())
+            results.append(LookupResult(hit, Lease(secrets.token_hex(8), lease_end, blocks)))
+        if extras:
+            self._release_keys(extras, wait=False)
+        return results
 
     def release(self, lease: Lease | None) -> None:
         """Give a lease back (GC may then remove its blocks). Never raises for node failures."""
-        if lease is None or not lease.blocks:
+        self.release_many([lease])
+
+    def release_many(self, leases: Sequence[Lease | None], wait: bool = True) -> None:
+        """Give several leases back in one call per meta shard. ``wait=False`` returns at once
+        (a release needs no answer: an unreleased lease only ends at its expiry)."""
+        keys = [key for lease in leases if lease is not None for key in lease.keys]
+        if keys:
+            self._release_keys(keys, wait)
+
+    def _release_keys(self, keys: list[BlockKey], wait: bool) -> None:
+        if wait:
+            self._meta_calls(keys, "release")
             return
-        self._meta_calls(lease.keys, "release")
+        for shard, positions in self._by_meta(keys).items():
+            self._fanout.submit((META, shard), "release", [keys[p] for p in positions])
 
     # --- get --------------------------------------------------------------------------------
 

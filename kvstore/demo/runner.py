@@ -32,6 +32,8 @@ class DemoConfig:
     report_dir: Path = Path("demo-report")
     data_dir: Path | None = None  # None: a temporary directory, removed afterwards
     engines: int = 4
+    #: 12 hold a stripe; the 2 spares give repair somewhere to rebuild the killed nodes' shards.
+    storage_nodes: int = 14
     reroute_fraction: float = 0.2  # share of a session's requests that land on another engine
     kill_nodes: tuple[int, ...] = (3, 8)
     workload: WorkloadConfig = WorkloadConfig()
@@ -117,8 +119,13 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> dict[str
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as scratch:
         data_dir = config.data_dir or Path(scratch)
-        say(f"starting kvstore: embedded Ray, 12 storage nodes under {data_dir} ...")
-        with embedded_service(data_dir, deployment="demo", fsync="never") as running:
+        say(
+            f"starting kvstore: embedded Ray, {config.storage_nodes} storage nodes under "
+            f"{data_dir} ..."
+        )
+        with embedded_service(
+            data_dir, deployment="demo", fsync="never", storage_nodes=config.storage_nodes
+        ) as running:
             say(f"serving on {running.address} (up in {time.perf_counter() - started:.1f} s)")
             killed: list[float] = []
 

@@ -1,0 +1,89 @@
+"""Natural batching: concurrent callers of one operation share a single batched call.
+
+The gateway answers many QueryHits at once, and each needs one round of calls to every meta
+shard and an entrypoint. Issued one by one, the cluster-side call rate grows with concurrency
+and queues build up; coalesced, the calls per round stay fixed and a round serves everyone
+waiting. There is no timer: the first caller runs a batch at once (no added latency when idle);
+callers arriving meanwhile join the next batch, which the same leader runs as soon as the first
+returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+class _Slot(Generic[Item, Result]):
+    __slots__ = ("item", "result", "error", "finished", "wake")
+
+    def __init__(self, item: Item) -> None:
+        self.item = item
+        self.result: Result | None = None
+        self.error: BaseException | None = None
+        self.finished = False
+        self.wake = threading.Event()  # set when served, or when promoted to run the next batch
+
+
+class Coalescer(Generic[Item, Result]):
+    """``call(item)`` → ``batch([items...])[i]``, with concurrent calls merged into one batch.
+
+    ``batch`` must return one result per item, in order. If it raises, every caller of that
+    batch gets the exception. A leader runs one batch, then hands the lead to a waiting caller,
+    so under steady load no caller keeps working for others after its own answer is in.
+    """
+
+    def __init__(self, batch: Callable[[Sequence[Item]], Sequence[Result]], max_batch: int = 64):
+        self._batch = batch
+        self._max_batch = max_batch
+        self._lock = threading.Lock()
+        self._pending: list[_Slot[Item, Result]] = []
+        self._leading = False
+        self.batches = 0
+        self.items = 0
+
+    def call(self, item: Item) -> Result:
+        slot: _Slot[Item, Result] = _Slot(item)
+        with self._lock:
+            self._pending.append(slot)
+            lead = not self._leading
+            self._leading = True
+        while True:
+            if lead:
+                self._run_batch()
+            slot.wake.wait()
+            slot.wake.clear()
+            if slot.finished:
+                break
+            lead = True  # promoted: run the next batch (which includes this slot)
+        if slot.error is not None:
+            raise slot.error
+        return slot.result  # type: ignore[return-value]
+
+    def _run_batch(self) -> None:
+        with self._lock:
+            batch = self._pending[: self._max_batch]
+            del self._pending[: self._max_batch]
+        try:
+            results = self._batch([slot.item for slot in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"batch answered {len(results)} results for {len(batch)}")
+            for slot, result in zip(batch, results, strict=True):
+                slot.result = result
+        except BaseException as error:  # handed to every caller of this batch
+            for slot in batch:
+                slot.error = error
+        with self._lock:
+            self.batches += 1
+            self.items += len(batch)
+            if self._pending:
+                self._pending[0].wake.set()  # the next leader
+            else:
+                self._leading = False
+        for slot in batch:
+            slot.finished = True
+            slot.wake.set()
