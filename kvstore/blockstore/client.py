@@ -614,7 +614,15 @@ class BlockStoreClient:
             second = self._fetch_remaining(locations, retry, asked, files, down)
             for position, payload in second.items():
                 out[position] = payload
-        degraded = sum(1 for p in range(n) if locations[p] is not None and len(asked[p]) > self._k)
+        # Degraded: served although a data shard's node was down, so parity had to stand in.
+        # (Hedged reads of a healthy stripe may decode from parity too; that is not degraded.)
+        degraded = sum(
+            1
+            for p, location in enumerate(locations)
+            if out[p] is not None
+            and location is not None
+            and any(node < 0 or node in down for node in location.placement[: self._k])
+        )
         self.counters["degraded_blocks"] += degraded
         return out
 

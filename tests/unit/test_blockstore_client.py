@@ -112,6 +112,23 @@ def test_two_dead_nodes_cost_nothing_three_in_a_stripe_make_it_a_miss(tmp_path: 
     assert hit == lost.index(True)
 
 
+def test_reads_rebuilt_from_parity_are_counted_as_degraded(tmp_path: Path) -> None:
+    tier = Tier(tmp_path, nodes=14)
+    keys = [_key(i) for i in range(40)]
+    payloads = [_payload(i) for i in range(40)]
+    assert tier.client.put_blocks(keys, payloads).ok
+    assert all(_same(g, p) for g, p in zip(tier.client.get_blocks(keys), payloads, strict=True))
+    assert tier.client.counters["degraded_blocks"] == 0
+    tier.fanout.dead |= {(NODE, 2), (NODE, 7)}
+    placements = place(keys, range(14), 12)
+    # Shards 0..9 are data: a block is degraded when a data shard sat on a dead node.
+    needs_parity = int(np.isin(placements[:, :10], [2, 7]).any(axis=1).sum())
+    assert needs_parity > 0
+    got = tier.client.get_blocks(keys)
+    assert all(_same(g, p) for g, p in zip(got, payloads, strict=True))
+    assert tier.client.counters["degraded_blocks"] == needs_parity
+
+
 def test_a_hung_node_is_hedged_around(tmp_path: Path) -> None:
     tier = Tier(tmp_path, call_timeout_s=3.0)
     keys = [_key(i) for i in range(10)]
