@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +31,9 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# This file is named like the grpc package: drop its own folder from the import path, or
+# `import grpc` below would import this script.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
 from kvstore.api.client import KVStoreClient  # noqa: E402
@@ -55,8 +59,19 @@ def redis_server() -> Any:
     port = _free_port()
     with tempfile.TemporaryDirectory() as scratch:
         process = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-             "no", "--dir", scratch],
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                scratch,
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -74,6 +89,48 @@ def redis_server() -> Any:
         finally:
             process.terminate()
             process.wait(timeout=10)
+
+
+@contextmanager
+def kvstore_up(data_dir: Path) -> Any:
+    """`kvstore up` in its own process (the server must not share this process's GIL with
+    the load generator); yields its address, stops it with SIGINT."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            "up",
+            "--port",
+            "0",
+            "--data-dir",
+            str(data_dir),
+            "--no-gc",
+            "--fsync",
+            "never",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None
+        address = None
+        for line in process.stdout:
+            if "serving kvstore.v1.KVStore on " in line:
+                address = line.split(" on ", 1)[1].split()[0]
+                break
+        if address is None:
+            raise RuntimeError("kvstore up exited before serving")
+        yield address
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def run_load(call: Callable[[], None], concurrency: int, seconds: float) -> dict[str, float]:
@@ -197,11 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.server:
         results = measure(args.server, args.seconds, populate=True)
     else:
-        from kvstore.runtime.service import embedded_service
-
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        with tempfile.TemporaryDirectory() as scratch, embedded_service(Path(scratch)) as service:
-            results = measure(service.address, args.seconds, populate=True)
+        with tempfile.TemporaryDirectory() as scratch, kvstore_up(Path(scratch)) as address:
+            results = measure(address, args.seconds, populate=True)
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -15,7 +15,7 @@ key(block i) = BLAKE2b-256( DOMAIN | model_fingerprint | key(block i-1) | token 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NewType
 
 import numpy as np
@@ -99,12 +99,25 @@ def block_keys(
 
 def check_key(key: object, argument: str = "key") -> BlockKey:
     """Validate that ``key`` is a 32-byte block key; returns it typed."""
+    if type(key) is bytes and len(key) == KEY_BYTES:  # the common case, on every hot path
+        return BlockKey(key)
     if not isinstance(key, bytes | bytearray | memoryview):
         raise InvalidArgument(argument, f"must be {KEY_BYTES} bytes, got {type(key).__name__}")
     raw = bytes(key)
     if len(raw) != KEY_BYTES:
         raise InvalidArgument(argument, f"must be {KEY_BYTES} bytes, got {len(raw)}")
     return BlockKey(raw)
+
+
+def check_keys(keys: Iterable[object], argument: str = "keys") -> list[BlockKey]:
+    """Validate a batch of keys; an error names the position (``keys[7]``)."""
+    checked: list[BlockKey] = []
+    for index, key in enumerate(keys):
+        if type(key) is bytes and len(key) == KEY_BYTES:
+            checked.append(BlockKey(key))
+        else:
+            checked.append(check_key(key, f"{argument}[{index}]"))
+    return checked
 
 
 def key_hex(key: bytes) -> str:

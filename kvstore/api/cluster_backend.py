@@ -78,7 +78,7 @@ class _CoalescedBlocks:
         return int(result.hit_blocks), result.lease
 
     def release(self, lease: Any) -> None:
-        self._backend._blocks.release_many([lease], wait=False)
+        self._backend._release(lease)
 
 
 class _CoalescedStates:
@@ -125,6 +125,16 @@ class ClusterBackend:
         self._locates: Coalescer[BlockKey, StoreRef | None] = Coalescer(
             lambda keys: swa.lookup(list(keys))
         )
+        self._releases: Coalescer[Lease, None] = Coalescer(self._release_batch)
+
+    def _release_batch(self, leases: Sequence[Lease]) -> list[None]:
+        # One call per meta shard for every lease given back meanwhile; nobody waits on it.
+        self._blocks.release_many(leases, wait=False)
+        return [None] * len(leases)
+
+    def _release(self, lease: Lease | None) -> None:
+        if lease is not None:
+            self._releases.call(lease)
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -173,9 +183,10 @@ class ClusterBackend:
         if lease is not None:
             if take_lease and lease.blocks:
                 lease_id = lease.lease_id
-                self._blocks.release_many(self._leases.add(lease), wait=False)
+                for old in self._leases.add(lease):
+                    self._release(old)
             else:
-                self._blocks.release_many([lease], wait=False)
+                self._release(lease)
         advice = result.advice
         return HitAnswer(
             plan=plan,
@@ -203,8 +214,7 @@ class ClusterBackend:
         try:
             payloads = self._blocks.get_blocks(keys, lease)
         finally:
-            if lease is not None:  # the read is done: GC may collect again
-                self._blocks.release_many([lease], wait=False)
+            self._release(lease)  # the read is done: GC may collect again
         degraded = self._blocks.counters.get("degraded_blocks", 0) - degraded_before
         with self._lock:
             self._degraded_reads += int(degraded)
@@ -240,7 +250,7 @@ class ClusterBackend:
         lease = self._leases.take(lease_id)
         if lease is None:
             return False
-        self._blocks.release_many([lease], wait=False)
+        self._release(lease)
         return True
 
     def stats(self) -> Stats:

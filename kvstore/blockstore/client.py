@@ -65,7 +65,7 @@ from kvstore.errors import (
     StoreError,
     TooFewShards,
 )
-from kvstore.keys import BlockKey, check_key
+from kvstore.keys import BlockKey, check_keys
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class BlockStoreClient:
     def _check_keys(self, keys: Sequence[bytes]) -> list[BlockKey]:
         if isinstance(keys, bytes | bytearray):
             raise InvalidArgument("keys", "must be a sequence of keys, got one bytes object")
-        return [check_key(key, f"keys[{i}]") for i, key in enumerate(keys)]
+        return check_keys(keys, "keys")
 
     # --- put --------------------------------------------------------------------------------
 

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import BlockKey, check_key
+from kvstore.keys import BlockKey, check_key, check_keys
 from kvstore.swa.advice import FetchReplayAdvisor
-from kvstore.swa.directory import ShardMap, StoreRef, check_keys
+from kvstore.swa.directory import ShardMap, StoreRef
 from kvstore.swa.store import check_state
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ does not matter.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +32,7 @@ import xxhash
 
 from kvstore.clock import Clock
 from kvstore.errors import ConfigError, InvalidArgument
-from kvstore.keys import KEY_BYTES, BlockKey, check_key
+from kvstore.keys import BlockKey
 
 
 @dataclass(frozen=True)
@@ -41,17 +41,6 @@ class StoreRef:
 
     machine_id: str
     store_name: str
-
-
-def check_keys(keys: Iterable[object], argument: str) -> list[BlockKey]:
-    """Validate a batch of keys (fast path for plain 32-byte ``bytes``, the common case)."""
-    checked: list[BlockKey] = []
-    for index, key in enumerate(keys):
-        if type(key) is bytes and len(key) == KEY_BYTES:
-            checked.append(BlockKey(key))
-        else:
-            checked.append(check_key(key, f"{argument}[{index}]"))
-    return checked
 
 
 def shard_ids(count: int) -> tuple[str, ...]:

@@ -26,9 +26,9 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument, StoreError
 from kvstore.hitplan import MODES, STANDARD, HitPlan, hit_cap, plan_hit
-from kvstore.keys import BlockKey, block_keys
+from kvstore.keys import BlockKey, block_keys, check_keys
 from kvstore.swa.advice import Advice, FetchReplayAdvisor
-from kvstore.swa.directory import StoreRef, check_keys
+from kvstore.swa.directory import StoreRef
 
 log = logging.getLogger(__name__)
 
