@@ -203,7 +203,9 @@ class ClusterBackend:
     ) -> PutAnswer:
         name = self._class(traffic_class)
         result = self._blocks.put_blocks(keys, payloads, name)
-        committed = len(result.stored) + len(result.existing) + len(result.busy)
+        # "busy": another writer is storing that key right now; it becomes visible when that
+        # writer commits, so it is neither committed by this call nor failed.
+        committed = len(result.stored) + len(result.existing)
         return PutAnswer(committed=committed, failed_keys=tuple(result.failed))
 
     def get_blocks(self, keys: list[BlockKey], lease_id: str | None) -> list[BlockRead]:

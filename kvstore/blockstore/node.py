@@ -104,6 +104,8 @@ class StorageNode:
         self._cache_bytes = 0
         self._bytes_used = 0
         self._scrub_cursor = 0
+        #: (key, shard index) of committed shards a read found deleted; the next scrub reports them.
+        self._vanished: list[tuple[bytes, int]] = []
         self._counters = {
             "puts": 0,
             "put_refused": 0,
@@ -376,6 +378,9 @@ class StorageNode:
                 with open(self._shard_path(key), "rb", buffering=0) as handle:
                     data = handle.read()
             except FileNotFoundError:
+                # Deleted behind our back: the next scrub reports it, so repair re-creates it
+                # (forgetting it silently would leave the stripe at 11 shards for good).
+                self._vanished.append((key, self._committed[key].shard_index))
                 self._forget(key)
                 self._counters["get_missing"] += 1
                 out.append(None)
@@ -497,8 +502,10 @@ class StorageNode:
         the repair re-creates it. Returns ``checked`` and ``corrupt`` [(key, shard_index)].
         """
         keys = sorted(self._committed)
-        corrupt: list[tuple[bytes, int]] = []
+        corrupt: list[tuple[bytes, int]] = self._vanished  # found missing by reads since
+        self._vanished = []
         if not keys:
+            self._counters["corrupt_found"] += len(corrupt)
             return {"checked": 0, "corrupt": corrupt}
         start = self._scrub_cursor % len(keys)
         chosen = (keys[start:] + keys[:start])[: max(0, limit)]

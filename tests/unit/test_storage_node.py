@@ -181,6 +181,21 @@ def test_scrub_quarantines_corrupt_shards(tmp_path: Path) -> None:
     assert len(os.listdir(tmp_path / "quarantine")) == 1
 
 
+def test_a_shard_file_deleted_behind_the_nodes_back_is_reported_by_the_next_scrub(
+    tmp_path: Path,
+) -> None:
+    # Found by the chaos runs: a read that meets a vanished file must not forget it silently,
+    # or repair never learns the stripe lost a shard.
+    node = StorageNode(0, tmp_path, StorageNodeConfig(read_cache_bytes=0))
+    _put(node, 5, [1, 2], index=4)
+    node.commit(5, [_key(1), _key(2)])
+    os.unlink(tmp_path / "shards" / _key(1).hex())
+    assert _files(node, [_key(1)]) == [None]
+    report = node.scrub(limit=10)
+    assert report["corrupt"] == [(_key(1), 4)]
+    assert node.scrub(limit=10)["corrupt"] == []  # reported once
+
+
 def test_orphans_are_reclaimed_only_after_the_grace_period(tmp_path: Path) -> None:
     clock = ManualClock(10_000.0)
     node = StorageNode(0, tmp_path, clock=clock)

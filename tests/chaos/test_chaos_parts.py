@@ -1,0 +1,108 @@
+"""The chaos toolkit's plain parts, without a cluster: the ledger's verdicts, the damage done to
+shard files (and that the storage node's checks catch it), configuration and the table."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.blockstore.config import StorageNodeConfig
+from kvstore.blockstore.node import StorageNode
+from kvstore.blockstore.shardfile import payload_hash
+from kvstore.chaos.catalog import CATALOG, DEFAULT_RUN, SCENARIO_NAMES
+from kvstore.chaos.faults import CORRUPTIONS, corrupt_shard
+from kvstore.chaos.ledger import Ledger, payload_for
+from kvstore.chaos.table import ScenarioResult, format_table, to_json
+from kvstore.chaos.tier import ChaosConfig
+from kvstore.ec import Codec
+from kvstore.errors import ConfigError, InvalidArgument
+
+
+def test_payloads_are_a_pure_function_of_the_key() -> None:
+    key = bytes(range(32))
+    assert np.array_equal(payload_for(key, 1000), payload_for(key, 1000))
+    assert not np.array_equal(payload_for(key, 1000), payload_for(bytes(32), 1000))
+    with pytest.raises(InvalidArgument, match="size"):
+        payload_for(key, 0)
+
+
+def test_the_ledger_tells_exact_bytes_from_misses_and_wrong_bytes() -> None:
+    ledger = Ledger()
+    keys = [os.urandom(32) for _ in range(4)]
+    ledger.add(keys, 2048, "agent")
+    right = payload_for(keys[0], 2048)
+    flipped = right.copy()
+    flipped[100] ^= 1
+    check = ledger.check(keys, [right, None, flipped, right[:-1]])
+    assert (check.ok, check.misses, check.wrong) == (1, 1, 2)
+    assert check.missed_keys == (keys[1],) and set(check.wrong_keys) == {keys[2], keys[3]}
+    assert ledger.keys("agent") == keys and ledger.keys("chatbot") == []
+    assert ledger.forget(keys[:2]) == 2 and len(ledger) == 2
+    assert set(ledger.sample(10, random.Random(0))) == set(keys[2:])
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_every_kind_of_damage_is_caught_by_the_node_and_never_served(
+    how: str, tmp_path: Path
+) -> None:
+    node = StorageNode(0, tmp_path, StorageNodeConfig(fsync="never", read_cache_bytes=0))
+    key = os.urandom(32)
+    payload = payload_for(key, 50_000)
+    shard = Codec(10, 2).encode(payload, key)[3]
+    assert node.put(7, [key], [shard], [payload_hash(payload)], [0], [1.0]) == [True]
+    assert node.commit(7, [key]) == [True]
+    path = tmp_path / "shards" / key.hex()
+    before = path.read_bytes()
+    corrupt_shard(path, how, random.Random(1))
+    if how == "delete":
+        assert not path.exists()
+    else:
+        assert path.read_bytes() != before
+    report = node.scrub()
+    assert report["corrupt"] == [(key, 3)]
+    assert node.read_files([key]) == [None]  # quarantined: a miss from now on
+
+
+def test_corrupting_with_an_unknown_kind_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="how"):
+        corrupt_shard(tmp_path / "x", "melt", random.Random(0))
+
+
+def test_chaos_config_needs_a_spare_machine_and_positive_timings(tmp_path: Path) -> None:
+    config = ChaosConfig(data_root=str(tmp_path))
+    assert config.storage_nodes == 13 and config.blockstore().storage_nodes == 13
+    assert config.blockstore().node.read_cache_bytes == 0  # disk damage must reach readers
+    with pytest.raises(ConfigError, match="storage_nodes"):
+        ChaosConfig(data_root=str(tmp_path), storage_nodes=12)
+    with pytest.raises(ConfigError, match="dead_after_s"):
+        ChaosConfig(data_root=str(tmp_path), dead_after_s=0)
+    with pytest.raises(ConfigError, match="data_root"):
+        ChaosConfig(data_root="")
+
+
+def test_the_catalog_lists_the_ten_scenarios_and_the_default_four() -> None:
+    assert [number for number, *_ in CATALOG] == list(range(1, 11))
+    assert len(set(SCENARIO_NAMES)) == 10
+    assert DEFAULT_RUN == ("kill-two", "kill-three", "corrupt", "swa")
+
+
+def test_the_table_and_json_carry_every_column_and_flag_broken_promises() -> None:
+    good = ScenarioResult("kill-two", "two nodes", faults=2, operations=100, reads_ok=90)
+    good.detect_s, good.repair_s = 2.5, 4.0
+    bad = ScenarioResult("corrupt", "disk", faults=5, wrong_bytes=1)
+    bad.require(False, "a shard was never rebuilt")
+    table = format_table([good, bad])
+    header = table.splitlines()[0]
+    for column in ("faults", "ops", "reads ok", "wrong", "lost", "detect s", "repair s"):
+        assert column in header
+    assert "PASS" in table and "FAIL" in table and "a shard was never rebuilt" in table
+    assert "wrong bytes 1, committed blocks lost 0" in table
+    document = json.loads(to_json([good, bad], {"machines": 13}))
+    assert document["wrong_bytes"] == 1 and document["ok"] is False
+    assert document["scenarios"][0]["ok"] is True and document["machines"] == 13
+    assert document["scenarios"][0]["detect_s"] == 2.5
