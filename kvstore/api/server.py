@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -22,7 +23,6 @@ from kvstore.api.backend import Backend
 from kvstore.api.metrics import ApiMetrics
 from kvstore.api.servicer import KVStoreServicer
 from kvstore.api.v1 import kvstore_pb2 as pb
-from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import ConfigError
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
@@ -100,6 +100,86 @@ def _deny(method: str, message: str) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(unary)
 
 
+class MalformedRequest:
+    """What a request that is not a decodable protobuf message becomes (instead of the UNKNOWN
+    status grpc would answer before any kvstore code runs)."""
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.message_type = message_type
+        self.error = error
+
+    def describe(self) -> str:
+        return f"request: not a valid {self.message_type} message ({self.error})"
+
+
+def _safe_parser(message_class: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as error:
+            return MalformedRequest(message_class.DESCRIPTOR.full_name, error)
+
+    return parse
+
+
+def _guard_unary(method: Any) -> Any:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+        return await method(request, context)
+
+    return call
+
+
+def _guard_unary_stream(method: Any) -> Any:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+        async for reply in method(request, context):
+            yield reply
+
+    return call
+
+
+def _guard_stream_unary(method: Any) -> Any:
+    async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def checked() -> Any:
+            async for request in requests:
+                if isinstance(request, MalformedRequest):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+                yield request
+
+        return await method(checked(), context)
+
+    return call
+
+
+def add_servicer(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
+    """Register the KVStore methods like the generated ``add_KVStoreServicer_to_server``, but
+    with parsers that turn undecodable bytes into INVALID_ARGUMENT naming the message type."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["KVStore"].methods:
+        request_class = getattr(pb, method.input_type.name)
+        response_class = getattr(pb, method.output_type.name)
+        implementation = getattr(servicer, method.name)
+        options = {
+            "request_deserializer": _safe_parser(request_class),
+            "response_serializer": response_class.SerializeToString,
+        }
+        if method.client_streaming:
+            handler = grpc.stream_unary_rpc_method_handler(
+                _guard_stream_unary(implementation), **options
+            )
+        elif method.server_streaming:
+            handler = grpc.unary_stream_rpc_method_handler(
+                _guard_unary_stream(implementation), **options
+            )
+        else:
+            handler = grpc.unary_unary_rpc_method_handler(_guard_unary(implementation), **options)
+        handlers[method.name] = handler
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 async def create_server(
     backend: Backend, options: ServerOptions, metrics: ApiMetrics | None = None
 ) -> tuple[grpc.aio.Server, int, ThreadPoolExecutor]:
@@ -112,7 +192,7 @@ async def create_server(
     server = grpc.aio.server(interceptors=interceptors, options=message_options)
     executor = ThreadPoolExecutor(options.worker_threads, thread_name_prefix="kvstore-rpc")
     servicer = KVStoreServicer(backend, executor, options.max_in_flight, metrics)
-    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
 
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
