@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,59 +34,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.peers import redis_server  # noqa: E402
 from kvstore.api.client import KVStoreClient  # noqa: E402
 from kvstore.keys import BLOCK_TOKENS, block_keys  # noqa: E402
 
 KEYS_PER_REQUEST = 1_000
 CONCURRENCY = (1, 16, 64)
 P99_TARGET_MS = 20.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextmanager
-def redis_server() -> Any:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        yield None
-        return
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as scratch:
-        process = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                scratch,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            import redis
-
-            client = redis.Redis(host="127.0.0.1", port=port)
-            for _ in range(100):
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    time.sleep(0.05)
-            yield client
-        finally:
-            process.terminate()
-            process.wait(timeout=10)
 
 
 @contextmanager
@@ -192,7 +144,8 @@ def measure(server: str, seconds: float, populate: bool) -> dict[str, Any]:
             client.release(answer.lease_id)
 
     query_hit()  # warm-up
-    with redis_server() as redis_client:
+    with redis_server() as peer:
+        redis_client = peer[1] if peer is not None else None
         if redis_client is not None:
             redis_client.mset({key: b"1" for key in keys[:600]})
 

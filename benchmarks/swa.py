@@ -23,14 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import ray  # noqa: E402
 
+from benchmarks.peers import redis_server  # noqa: E402
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig  # noqa: E402
 from kvstore.geometry import GeometryConfig  # noqa: E402
 from kvstore.keys import BLOCK_TOKENS, block_keys  # noqa: E402
@@ -54,45 +50,6 @@ KEYS = 1_000
 #: 1,000 whole blocks inside the cap: L − 134 = 128,000.
 PROMPT_LEN = KEYS * BLOCK_TOKENS + 134
 P99_TARGET_MS = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextmanager
-def redis_server() -> Iterator[int | None]:
-    """Port of a throw-away loopback redis-server, or None when it is not installed."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        yield None
-        return
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as scratch:
-        process = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                scratch,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            yield port
-        finally:
-            process.terminate()
-            process.wait(timeout=10)
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
@@ -254,9 +211,9 @@ def measure(reps: int) -> dict[str, Any]:
         )
         results["block_lookup"] = ray.get(agent.block_lookups.remote(keys, reps))
         results["query_hit"] = ray.get(agent.query_hits.remote(keys, reps, geometry))
-        with redis_server() as port:
-            if port is not None:
-                results["redis"] = ray.get(agent.redis_peer.remote(port, keys, blob, reps))
+        with redis_server() as peer:
+            if peer is not None:
+                results["redis"] = ray.get(agent.redis_peer.remote(peer[0], keys, blob, reps))
         results["target_p99_ms"] = P99_TARGET_MS
         results["pass"] = results["query_hit"]["p99_ms"] <= P99_TARGET_MS
         results["block_bytes"] = geometry.block_bytes

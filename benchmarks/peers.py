@@ -1,0 +1,63 @@
+"""Peers the benchmarks measure in the same run: a throw-away Redis on loopback."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def redis_server() -> Iterator[tuple[int, Any] | None]:
+    """(port, redis-py client) of a redis-server started on 127.0.0.1 without persistence and
+    stopped on exit; None when Debian's redis-server is not installed."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield None
+        return
+    import redis
+
+    port = free_port()
+    with tempfile.TemporaryDirectory() as scratch:
+        process = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                scratch,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            client = redis.Redis(host="127.0.0.1", port=port)
+            for _ in range(200):
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+            else:
+                raise RuntimeError("redis-server did not start")
+            yield port, client
+        finally:
+            process.terminate()
+            process.wait(timeout=10)
