@@ -1,0 +1,47 @@
+"""The one place kvstore's engine side imports torch, on first use (the ``gpu`` extra).
+
+``import kvstore``, ``import kvstore.cli`` and the fetcher process never import torch: it costs
+seconds and hundreds of MB, and most users of the store never touch a device.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import ConfigError
+
+
+def torch_module() -> ModuleType:
+    """``torch``, imported now; a ``ConfigError`` naming the extra when it is not installed."""
+    try:
+        import torch
+    except ImportError as error:
+        raise ConfigError(
+            "gpu",
+            f"torch is not installed ({error}); install the extra: pip install 'kvstore[gpu]'",
+        ) from None
+    return torch
+
+
+def cuda_available() -> bool:
+    """True when torch is installed and sees a CUDA device (False without torch)."""
+    try:
+        return bool(torch_module().cuda.is_available())
+    except ConfigError:
+        return False
+
+
+def index_tensor(array: Any, device: Any) -> Any:
+    """A small host array (row or slot indices) as a tensor on ``device``.
+
+    On CUDA it goes through pinned memory with ``non_blocking``: a copy from pageable memory may
+    make the host wait for the stream, and the streams that use these indices wait on compute.
+    """
+    torch = torch_module()
+    tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor

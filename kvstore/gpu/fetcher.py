@@ -1,0 +1,472 @@
+"""The fetcher: a separate process that reads a hit plan's blocks and SWA state from the tier
+into a /dev/shm staging region, layer by layer, announcing each layer as it lands (SPEC §8).
+
+Why a process: reading from the tier (gRPC, Ray, checksums, erasure decoding) is Python work
+that would otherwise hold the engine process's GIL while the model runs. The fetcher is started
+with the ``spawn`` method (no inherited CUDA context, locks or threads) and never imports torch.
+
+Protocol (two one-way pipes): the engine sends ``FetchJob`` objects (``None`` to stop); the
+fetcher answers ``("layer", job, i)`` after it has written layer i and set its ready word,
+``("done", job)`` at the end, or ``("failed", job, why)``. For each job it
+
+1. reads the SWA state (when the plan found one), then the blocks, in one call each; the blocks
+   are read when the first layer that has block KV is due, so the leading state-only layers
+   are published while the block read is still in flight;
+2. marks the state and each block OK or FAILED in the header: a miss, a wrong key or a wrong
+   size is FAILED (a failed read is a miss, and its staged bytes are never copied to the pools);
+3. writes layer 0's slices of every block and its window, publishes layer 0, then layer 1, ...
+
+The engine side (``Fetcher``) owns the process, a receiver thread that turns those messages into
+per-layer ``threading.Event``s on a ``StagedFetch``, and the region's lifetime: a region goes back
+to the area only once the fetcher has finished with it, so a late write can never land in the
+next load's region. When the process dies, every load in flight fails at once (its blocks are
+reported as load errors) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument, SwapInError
+from kvstore.geometry import GeometryConfig
+from kvstore.gpu.kvlayout import KVLayout
+from kvstore.gpu.staging import (
+    OK,
+    StageHeader,
+    StageLayout,
+    StagingArea,
+    StagingRegion,
+    map_staging_file,
+)
+from kvstore.gpu.tier import ReaderFactory, TierReader
+from kvstore.keys import check_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FetchJob:
+    """One load for the fetcher process (plain data: it is pickled through a pipe)."""
+
+    job_id: int
+    staging_path: str
+    region_offset: int
+    region_nbytes: int
+    geometry: dict[str, Any]
+    keys: tuple[bytes, ...]
+    lease_id: str | None = None
+    state_key: bytes | None = None
+    state_position: int | None = None
+
+    @property
+    def with_state(self) -> bool:
+        return self.state_key is not None
+
+
+class LayerGate(Protocol):
+    """Called by the fetcher before it writes each layer. Must be picklable."""
+
+    def before_layer(self, job_id: int, layer: int) -> None: ...
+
+
+class FileGate:
+    """Step-through gate: the fetcher writes layer i only once ``<directory>/open-<i>`` exists.
+
+    Freezes a fetch at a layer boundary so the engine side can be observed mid-load (tests,
+    debugging a stalled pipeline). Gives up after ``timeout_s`` and goes on.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], timeout_s: float = 60.0) -> None:
+        self.directory = str(directory)
+        self.timeout_s = timeout_s
+
+    def open(self, *layers: int) -> None:
+        for layer in layers:
+            (Path(self.directory) / f"open-{layer}").touch()
+
+    def before_layer(self, job_id: int, layer: int) -> None:
+        flag = Path(self.directory) / f"open-{layer}"
+        deadline = time.monotonic() + self.timeout_s
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+
+# --- the fetcher process ----------------------------------------------------------------------
+
+
+def fetcher_main(
+    jobs: Connection, events: Connection, factory: ReaderFactory, gate: LayerGate | None
+) -> None:
+    """Entry point of the fetcher process: serve jobs until ``None`` or the engine goes away."""
+    try:
+        reader = factory()
+    except Exception as error:  # noqa: BLE001 - reported to the engine, which fails every load
+        events.send(("dead", 0, f"reader factory failed: {type(error).__name__}: {error}"))
+        return
+    mappings: dict[str, tuple[Any, np.ndarray]] = {}
+    while True:
+        try:
+            job = jobs.recv()
+        except (EOFError, OSError):
+            break
+        if job is None:
+            break
+        try:
+            if job.staging_path not in mappings:
+                mappings[job.staging_path] = map_staging_file(job.staging_path)
+            buffer = mappings[job.staging_path][1]
+            region = buffer[job.region_offset : job.region_offset + job.region_nbytes]
+            run_job(job, region, reader, gate, lambda *message: events.send(message))
+        except Exception as error:  # noqa: BLE001 - one bad job must not stop the fetcher
+            events.send(("failed", job.job_id, f"{type(error).__name__}: {error}"))
+
+
+def run_job(
+    job: FetchJob,
+    region: np.ndarray,
+    reader: TierReader,
+    gate: LayerGate | None,
+    announce: Any,
+) -> None:
+    """Fetch one job into its region, publishing layer by layer (also usable in-process)."""
+    kv = KVLayout.from_geometry(GeometryConfig.from_dict(job.geometry))
+    layout = StageLayout.plan(kv, len(job.keys), job.with_state)
+    header = layout.header(region)
+    header.check(job.job_id)
+
+    # The state first: layers without block KV (V4.1's two pure-SWA layers) become usable
+    # while the blocks are still being read from the tier.
+    state: np.ndarray | None = None
+    if job.state_key is not None and job.state_position is not None:
+        state = _read_state(reader, job.state_key, job.state_position, kv.state_bytes)
+        header.set_state_status(state is not None)
+    payloads: list[np.ndarray | None] | None = None
+    good = np.zeros(0, dtype=np.int64)
+    for item in kv.layers:
+        if gate is not None:
+            gate.before_layer(job.job_id, item.layer)
+        if payloads is None and (item.block_nbytes or item.layer == kv.num_layers - 1):
+            payloads, block_ok = _read_blocks(reader, job.keys, job.lease_id, kv.block_bytes)
+            header.set_block_statuses(block_ok)
+            good = np.flatnonzero(block_ok)
+        if item.block_nbytes and good.size:
+            assert payloads is not None
+            target = layout.blocks_view(region, item.layer)
+            start, stop = item.block_offset, item.block_offset + item.block_nbytes
+            for index in good:
+                payload = payloads[index]
+                assert payload is not None
+                target[index] = payload[start:stop]
+        if state is not None and item.state_nbytes:
+            window = layout.state_view(region, item.layer)
+            window.reshape(-1)[:] = state[item.state_offset : item.state_offset + item.state_nbytes]
+        header.publish_layer(item.layer)
+        announce("layer", job.job_id, item.layer)
+    header.publish_done()
+    announce("done", job.job_id)
+
+
+def _read_state(reader: TierReader, key: bytes, position: int, nbytes: int) -> np.ndarray | None:
+    try:
+        answer = reader.get_swa_state(key, position)
+    except Exception as error:  # noqa: BLE001 - a failed read is a miss
+        log.warning("SWA state read at %s failed: %s", position, error)
+        return None
+    if answer.state is None or len(answer.state) != nbytes:
+        return None
+    return np.frombuffer(answer.state, dtype=np.uint8)
+
+
+def _read_blocks(
+    reader: TierReader, keys: Sequence[bytes], lease_id: str | None, nbytes: int
+) -> tuple[list[np.ndarray | None], np.ndarray]:
+    payloads: list[np.ndarray | None] = [None] * len(keys)
+    if not keys:
+        return payloads, np.zeros(0, dtype=bool)
+    try:
+        reads = reader.get_blocks(list(keys), lease_id)
+    except Exception as error:  # noqa: BLE001 - a failed read is a miss for every block
+        log.warning("block read of %d keys failed: %s", len(keys), error)
+        reads = []
+    by_key = {bytes(read.key): read for read in reads}
+    for index, key in enumerate(keys):
+        read = by_key.get(bytes(key))
+        if read is None or read.payload is None or len(read.payload) != nbytes:
+            continue
+        payloads[index] = np.frombuffer(read.payload, dtype=np.uint8)
+    block_ok = np.array([payload is not None for payload in payloads], dtype=bool)
+    return payloads, block_ok
+
+
+# --- the engine side --------------------------------------------------------------------------
+
+
+class StagedFetch:
+    """One load being fetched into staging: per-layer readiness for swap-in (a ``StagedSource``)."""
+
+    def __init__(
+        self,
+        fetcher: Fetcher,
+        job_id: int,
+        layout: StageLayout,
+        region: StagingRegion,
+        view: np.ndarray,
+    ) -> None:
+        self.job_id = job_id
+        self.layout = layout
+        self._fetcher = fetcher
+        self._staging = region
+        self._view = view
+        self._header: StageHeader = layout.header(view)
+        self._layers = [threading.Event() for _ in range(layout.kv.num_layers)]
+        self._finished = threading.Event()
+        self._failure: str | None = None
+        self._release_wanted = False
+        self._released = False
+        self._lock = threading.Lock()
+
+    # receiver-thread side ----------------------------------------------------------------
+
+    def _on_layer(self, layer: int) -> None:
+        if not self._header.layer_ready(layer):
+            # The fetcher is still running and may write on: fail the load, keep the region.
+            self._mark_failed(f"layer {layer} announced but its ready word is not set")
+            return
+        self._layers[layer].set()
+
+    def _mark_failed(self, why: str) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = why
+        for event in self._layers:
+            event.set()
+
+    def _on_finished(self, failure: str | None) -> None:
+        if failure is not None:
+            self._mark_failed(failure)
+        with self._lock:
+            for event in self._layers:
+                event.set()
+            self._finished.set()
+            release = self._release_wanted and not self._released
+            self._released = self._released or release
+        if release:
+            self._fetcher._free(self._staging)
+
+    def _on_failed(self, why: str) -> None:
+        self._on_finished(why)
+
+    # StagedSource ------------------------------------------------------------------------
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        return self._layers[layer].wait(timeout)
+
+    def layer_staged(self, layer: int) -> bool:
+        """Whether the fetcher has published ``layer`` (read from the shared header)."""
+        return self._header.layer_ready(layer)
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        return self._finished.wait(timeout)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def region(self) -> np.ndarray:
+        return self._view
+
+    def block_ok(self) -> np.ndarray:
+        if self._failure is not None or not self._header.statuses_final:
+            return np.zeros(self.layout.n_blocks, dtype=bool)
+        return self._header.block_status() == OK
+
+    def state_ok(self) -> bool:
+        if self._failure is not None:
+            return False
+        return self.layout.with_state and self._header.state_status == OK
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    def release(self) -> None:
+        """Give the region back now if the fetcher is finished with it, else when it is."""
+        with self._lock:
+            if self._released:
+                return
+            if not self._finished.is_set():
+                self._release_wanted = True
+                return
+            self._released = True
+        self._fetcher._free(self._staging)
+
+
+class Fetcher:
+    """Owns the fetcher process, its pipes and the receiver thread (engine side)."""
+
+    def __init__(
+        self,
+        reader_factory: ReaderFactory,
+        area: StagingArea,
+        geometry: GeometryConfig,
+        *,
+        gate: LayerGate | None = None,
+        start_method: str = "spawn",
+    ) -> None:
+        if not callable(reader_factory):
+            raise InvalidArgument(
+                "reader_factory", "must be a picklable zero-argument callable returning a reader"
+            )
+        self.area = area
+        self.geometry = geometry
+        self.kv = KVLayout.from_geometry(geometry)
+        self._geometry_dict = geometry.to_dict()
+        context: Any = multiprocessing.get_context(start_method)
+        jobs_read, self._jobs = context.Pipe(duplex=False)
+        self._events, events_write = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=fetcher_main,
+            args=(jobs_read, events_write, reader_factory, gate),
+            name="kvstore-fetcher",
+            daemon=True,
+        )
+        self._process.start()
+        # Close our copies of the child's ends: when the child dies, our recv sees EOF.
+        jobs_read.close()
+        events_write.close()
+        self._lock = threading.Lock()
+        self._pending: dict[int, StagedFetch] = {}
+        self._next_job = 1
+        self._dead: str | None = None
+        self._receiver = threading.Thread(
+            target=self._receive, name="kvstore-fetch-receiver", daemon=True
+        )
+        self._receiver.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._process.is_alive()
+
+    def submit(
+        self,
+        keys: Sequence[bytes],
+        *,
+        lease_id: str | None = None,
+        state_key: bytes | None = None,
+        state_position: int | None = None,
+    ) -> StagedFetch:
+        """Stage ``keys`` (and the SWA state at ``state_position`` under ``state_key``).
+
+        Raises ``StagingFull`` when the area has no room now, ``SwapInError`` when the fetcher
+        process is gone.
+        """
+        typed = tuple(bytes(check_key(key, f"keys[{i}]")) for i, key in enumerate(keys))
+        if (state_key is None) != (state_position is None):
+            raise InvalidArgument("state_position", "give state_key and state_position together")
+        if state_key is not None:
+            state_key = bytes(check_key(state_key, "state_key"))
+        layout = StageLayout.plan(self.kv, len(typed), state_key is not None)
+        with self._lock:
+            if self._dead is not None:
+                raise SwapInError(f"fetcher process is gone: {self._dead}")
+            job_id = self._next_job
+            self._next_job += 1
+        region = self.area.allocate(layout.total_bytes)
+        view = self.area.view(region)
+        layout.header(view).initialise(job_id)
+        fetch = StagedFetch(self, job_id, layout, region, view)
+        job = FetchJob(
+            job_id=job_id,
+            staging_path=str(self.area.path),
+            region_offset=region.offset,
+            region_nbytes=region.nbytes,
+            geometry=self._geometry_dict,
+            keys=typed,
+            lease_id=lease_id,
+            state_key=state_key,
+            state_position=state_position,
+        )
+        with self._lock:
+            dead = self._dead
+            if dead is None:
+                self._pending[job_id] = fetch
+                try:
+                    self._jobs.send(job)
+                except (OSError, ValueError) as error:
+                    del self._pending[job_id]
+                    dead = f"cannot send to the fetcher: {error}"
+        if dead is not None:
+            self.area.free(region)
+            raise SwapInError(f"fetcher process is gone: {dead}")
+        return fetch
+
+    def _free(self, region: StagingRegion) -> None:
+        self.area.free(region)
+
+    def _receive(self) -> None:
+        why = "fetcher process exited"
+        while True:
+            try:
+                message = self._events.recv()
+            except (EOFError, OSError):
+                break
+            kind, job_id = message[0], message[1]
+            if kind == "dead":
+                why = str(message[2])
+                break
+            with self._lock:
+                fetch = self._pending.get(job_id)
+                if fetch is not None and kind in ("done", "failed"):
+                    del self._pending[job_id]
+            if fetch is None:
+                continue
+            if kind == "layer":
+                fetch._on_layer(int(message[2]))
+            elif kind == "done":
+                fetch._on_finished(None)
+            else:
+                fetch._on_failed(str(message[2]))
+        with self._lock:
+            self._dead = self._dead or why
+            orphans = list(self._pending.values())
+            self._pending.clear()
+        for fetch in orphans:
+            fetch._on_failed(why)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the process (politely, then by force) and fail whatever is still in flight."""
+        with self._lock:
+            if self._dead is None:
+                self._dead = "fetcher closed"
+            try:
+                self._jobs.send(None)
+            except (OSError, ValueError):
+                pass
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout)
+        self._jobs.close()
+        self._receiver.join(timeout)
+        self._events.close()
+
+    def __enter__(self) -> Fetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

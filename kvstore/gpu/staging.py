@@ -1,0 +1,432 @@
+"""The /dev/shm staging area between the fetcher process and the engine's swap-in thread.
+
+One ``StagingArea`` is a file in ``/dev/shm`` (host shared memory) mapped by both processes. The
+engine creates it once, so on CUDA it is registered as pinned memory once (registration costs
+milliseconds, far too much per load), and hands out regions, one per load, from a first-fit free
+list. A load's region is laid out by ``StageLayout``::
+
+    [header: magic, job id, counts, done, per-layer ready words, per-block status bytes]
+    [layer 0: n_blocks × layer-0 block bytes][layer 0 SWA window]
+    [layer 1: ...]
+
+**Layer-major**: everything layer i needs is one contiguous span, so swap-in copies a layer with
+one transfer, and a layer can be published (its ready word set to the job id) while later layers
+are still being written. Readiness is written in the shared memory itself (so either side can
+inspect it, and a stale word from an earlier job in the same region never matches) and announced
+through a pipe (``kvstore.gpu.fetcher``), whose system calls also order the data writes before
+the reader's loads.
+
+Status of a block or of the state: PENDING, OK (bytes are exactly what the tier returned) or
+FAILED (a miss: its bytes in staging are meaningless and are never copied to the pools).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument, StagingFull
+from kvstore.gpu.kvlayout import KVLayout
+
+PENDING = 0
+OK = 1
+FAILED = 2
+
+_MAGIC = np.frombuffer(b"KVSTAGE1", dtype="<u8")[0]
+#: Sections start on this boundary: whole cache lines, and good DMA alignment on a GPU.
+ALIGN = 64
+#: Regions start on page boundaries so each can be handed to a device independently.
+REGION_ALIGN = 4096
+_FIXED_HEADER = 64
+
+
+def _round_up(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Byte map of one load's region: header, then one contiguous section per layer."""
+
+    kv: KVLayout
+    n_blocks: int
+    with_state: bool
+    layer_ready_offset: int
+    block_status_offset: int
+    header_bytes: int
+    #: Per layer: (section offset, offset of its SWA window inside the region, section bytes).
+    sections: tuple[tuple[int, int, int], ...]
+    total_bytes: int
+
+    @classmethod
+    def plan(cls, kv: KVLayout, n_blocks: int, with_state: bool) -> StageLayout:
+        if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
+            raise InvalidArgument("n_blocks", f"must be an integer >= 0, got {n_blocks!r}")
+        ready = _FIXED_HEADER
+        status = ready + 8 * kv.num_layers
+        header = _round_up(status + n_blocks, ALIGN)
+        offset = header
+        sections = []
+        for item in kv.layers:
+            blocks = n_blocks * item.block_nbytes
+            state_at = _round_up(offset + blocks, ALIGN)
+            state = item.state_nbytes if with_state else 0
+            end = _round_up(state_at + state, ALIGN) if state else state_at
+            sections.append((offset, state_at, end - offset))
+            offset = end
+        return cls(kv, n_blocks, bool(with_state), ready, status, header, tuple(sections), offset)
+
+    # --- data views ------------------------------------------------------------------------
+
+    def layer_span(self, layer: int) -> tuple[int, int]:
+        """(offset, bytes) of everything layer ``layer`` needs (blocks then window)."""
+        offset, _, nbytes = self.sections[self.kv.layer(layer).layer]
+        return offset, nbytes
+
+    def blocks_view(self, region: np.ndarray, layer: int) -> np.ndarray:
+        """Layer ``layer``'s block bytes as ``[n_blocks, layer block bytes]`` (a view)."""
+        item = self.kv.layer(layer)
+        offset = self.sections[item.layer][0]
+        raw = region[offset : offset + self.n_blocks * item.block_nbytes]
+        return raw.reshape(self.n_blocks, item.block_nbytes)
+
+    def state_view(self, region: np.ndarray, layer: int) -> np.ndarray:
+        """Layer ``layer``'s SWA window as ``window_shape`` (empty when not staged)."""
+        item = self.kv.layer(layer)
+        at = self.sections[item.layer][1]
+        if not (self.with_state and item.state_nbytes):
+            return region[at:at]
+        return region[at : at + item.state_nbytes].reshape(self.kv.window_shape)
+
+    # --- header ----------------------------------------------------------------------------
+
+    def header(self, region: np.ndarray) -> StageHeader:
+        return StageHeader(self, region)
+
+
+class StageHeader:
+    """Typed access to a region's header words (shared memory: both processes see writes)."""
+
+    def __init__(self, layout: StageLayout, region: np.ndarray) -> None:
+        if region.size < layout.total_bytes:
+            raise InvalidArgument(
+                "region", f"has {region.size} bytes, the layout needs {layout.total_bytes}"
+            )
+        words = region[:_FIXED_HEADER].view("<u8")
+        self._magic = words[0:1]
+        self._job = words[1:2]
+        self._counts = region[16:24].view("<u4")
+        self._flags = region[24:32].view("<u8")
+        self._done = words[4:5]
+        self._state_status = region[40:41]
+        self._statuses_final = words[6:7]
+        n = layout.kv.num_layers
+        self._ready = region[layout.layer_ready_offset : layout.layer_ready_offset + 8 * n].view(
+            "<u8"
+        )
+        self._block_status = region[
+            layout.block_status_offset : layout.block_status_offset + layout.n_blocks
+        ]
+        self.layout = layout
+
+    def initialise(self, job_id: int) -> None:
+        """Clear every word for a new job (the engine does this before handing the region out)."""
+        self._ready[:] = 0
+        self._block_status[:] = PENDING
+        self._state_status[0] = PENDING
+        self._done[0] = 0
+        self._statuses_final[0] = 0
+        self._counts[0] = self.layout.kv.num_layers
+        self._counts[1] = self.layout.n_blocks
+        self._flags[0] = int(self.layout.with_state)
+        self._job[0] = job_id
+        self._magic[0] = _MAGIC
+
+    def check(self, job_id: int) -> None:
+        """Raise when this region is not laid out for ``job_id`` (a mixed-up region)."""
+        if self._magic[0] != _MAGIC or int(self._job[0]) != job_id:
+            raise InvalidArgument("region", f"staging header does not belong to job {job_id}")
+        if (int(self._counts[0]), int(self._counts[1])) != (
+            self.layout.kv.num_layers,
+            self.layout.n_blocks,
+        ):
+            raise InvalidArgument("region", "staging header counts differ from the layout")
+
+    @property
+    def job_id(self) -> int:
+        return int(self._job[0])
+
+    # Fetcher side ------------------------------------------------------------------------
+
+    def set_state_status(self, state_ok: bool) -> None:
+        """Set before the first layer is published."""
+        self._state_status[0] = OK if state_ok else FAILED
+
+    def set_block_statuses(self, block_ok: np.ndarray) -> None:
+        """Set before the first layer with block bytes is published."""
+        self._block_status[:] = np.where(block_ok, OK, FAILED)
+        self._statuses_final[0] = self._job[0]
+
+    def set_statuses(self, block_ok: np.ndarray, state_ok: bool | None) -> None:
+        if state_ok is not None:
+            self.set_state_status(state_ok)
+        self.set_block_statuses(block_ok)
+
+    def publish_layer(self, layer: int) -> None:
+        self._ready[layer] = self._job[0]
+
+    def publish_done(self) -> None:
+        self._done[0] = self._job[0]
+
+    # Engine side -------------------------------------------------------------------------
+
+    def layer_ready(self, layer: int) -> bool:
+        return bool(self._ready[layer] == self._job[0])
+
+    def ready_layers(self) -> np.ndarray:
+        return np.asarray(self._ready == self._job[0])
+
+    @property
+    def done(self) -> bool:
+        return bool(self._done[0] == self._job[0])
+
+    @property
+    def statuses_final(self) -> bool:
+        return bool(self._statuses_final[0] == self._job[0])
+
+    def block_status(self) -> np.ndarray:
+        return np.array(self._block_status, copy=True)
+
+    @property
+    def state_status(self) -> int:
+        return int(self._state_status[0])
+
+
+@dataclass(frozen=True)
+class StagingRegion:
+    """A slice of a staging area: ``nbytes`` at ``offset``."""
+
+    offset: int
+    nbytes: int
+
+
+class StagingArea:
+    """A shared-memory file both processes map; regions handed out first-fit, freed on finish."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        directory: str | os.PathLike[str] = "/dev/shm",
+        *,
+        name_prefix: str = "kvstore-staging",
+    ) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise InvalidArgument("capacity_bytes", "must be an integer")
+        if capacity_bytes < REGION_ALIGN:
+            raise InvalidArgument(
+                "capacity_bytes", f"must be at least {REGION_ALIGN}, got {capacity_bytes}"
+            )
+        self.capacity = _round_up(capacity_bytes, REGION_ALIGN)
+        folder = Path(directory)
+        if not folder.is_dir():
+            raise InvalidArgument("directory", f"{folder} is not a directory")
+        remove_stale_areas(folder, name_prefix)
+        self.path = folder / f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.capacity)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, self.capacity)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.buffer = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._lock = threading.Lock()
+        # Free extents (offset, nbytes), sorted by offset, coalesced on free.
+        self._free: list[tuple[int, int]] = [(0, self.capacity)]
+        self._used: dict[int, int] = {}
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(size for _, size in self._free)
+
+    @property
+    def used_regions(self) -> int:
+        with self._lock:
+            return len(self._used)
+
+    def allocate(self, nbytes: int) -> StagingRegion:
+        """A region of at least ``nbytes`` (page-rounded). Raises ``StagingFull`` when no free
+        extent is large enough right now."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgument("nbytes", f"must be a positive integer, got {nbytes!r}")
+        size = _round_up(nbytes, REGION_ALIGN)
+        with self._lock:
+            for index, (offset, free) in enumerate(self._free):
+                if free >= size:
+                    if free == size:
+                        del self._free[index]
+                    else:
+                        self._free[index] = (offset + size, free - size)
+                    self._used[offset] = size
+                    return StagingRegion(offset, size)
+            largest = max((free for _, free in self._free), default=0)
+        raise StagingFull(
+            f"staging area {self.path.name} has no free extent of {size} B "
+            f"(largest {largest} B of {self.capacity} B)"
+        )
+
+    def free(self, region: StagingRegion) -> None:
+        with self._lock:
+            if self._used.get(region.offset) != region.nbytes:
+                raise InvalidArgument("region", f"{region} is not an allocated region")
+            del self._used[region.offset]
+            self._free.append((region.offset, region.nbytes))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for offset, size in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == offset:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + size)
+                else:
+                    merged.append((offset, size))
+            self._free = merged
+
+    def view(self, region: StagingRegion) -> np.ndarray:
+        return self.buffer[region.offset : region.offset + region.nbytes]
+
+    def close(self) -> None:
+        """Unmap and remove the file. Idempotent."""
+        self.path.unlink(missing_ok=True)
+        if self._mmap is None:
+            return
+        mapping, self._mmap = self._mmap, None
+        self.buffer = np.zeros(0, dtype=np.uint8)
+        try:
+            mapping.close()
+        except BufferError:
+            # A view (e.g. a tensor wrapping the buffer) is still alive; the mapping goes with it.
+            pass
+
+    def __enter__(self) -> StagingArea:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def remove_stale_areas(directory: Path, name_prefix: str = "kvstore-staging") -> list[Path]:
+    """Remove staging files left by engine processes that died without closing them.
+
+    A file is named ``<prefix>-<pid>-<random>``; it is stale when no process ``pid`` exists.
+    (A reused pid keeps a stale file alive a while longer: the safe side.)
+    """
+    removed = []
+    for path in directory.glob(f"{name_prefix}-*-*"):
+        try:
+            pid = int(path.name[len(name_prefix) + 1 :].split("-", 1)[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        except PermissionError:
+            continue  # alive, someone else's
+    return removed
+
+
+def map_staging_file(path: str | os.PathLike[str]) -> tuple[mmap.mmap, np.ndarray]:
+    """Map an existing staging file read-write (the fetcher process's side)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        mapping = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return mapping, np.frombuffer(mapping, dtype=np.uint8)
+
+
+class StagedSource(Protocol):
+    """What swap-in reads: staged layers, announced one by one, and which blocks are good."""
+
+    layout: StageLayout
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until ``layer`` is staged (or the fetch failed); False on timeout."""
+        ...
+
+    def region(self) -> np.ndarray:
+        """The region's bytes (valid until ``release``)."""
+        ...
+
+    def block_ok(self) -> np.ndarray:
+        """Bool per block: its staged bytes are exactly what the tier returned."""
+        ...
+
+    def state_ok(self) -> bool: ...
+
+    @property
+    def failure(self) -> str | None:
+        """Why the whole fetch failed (fetcher died, ...), else None."""
+        ...
+
+    def release(self) -> None:
+        """Give the region back; called once swap-in no longer reads it."""
+        ...
+
+
+class PreparedStage:
+    """A staged load whose bytes are already in place (no fetcher): every layer is ready.
+
+    Used when the engine fills a region itself (from a local host cache) and by the benchmark.
+    """
+
+    def __init__(
+        self,
+        area: StagingArea,
+        layout: StageLayout,
+        *,
+        block_ok: np.ndarray | None = None,
+        state_ok: bool = True,
+    ) -> None:
+        self.layout = layout
+        self._area = area
+        self._region: StagingRegion | None = area.allocate(layout.total_bytes)
+        self._view = area.view(self._region)[: layout.total_bytes]
+        self._block_ok = (
+            np.ones(layout.n_blocks, dtype=bool) if block_ok is None else np.asarray(block_ok)
+        )
+        self._state_ok = bool(state_ok and layout.with_state)
+        header = layout.header(self._view)
+        header.initialise(job_id=1)
+
+    def region(self) -> np.ndarray:
+        return self._view
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        return True
+
+    def block_ok(self) -> np.ndarray:
+        return self._block_ok
+
+    def state_ok(self) -> bool:
+        return self._state_ok
+
+    @property
+    def failure(self) -> str | None:
+        return None
+
+    def release(self) -> None:
+        if self._region is not None:
+            self._area.free(self._region)
+            self._region = None

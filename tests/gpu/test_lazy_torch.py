@@ -1,0 +1,44 @@
+"""torch is the ``gpu`` extra: importing kvstore, its CLI or the engine-side modules never loads
+it (the fetcher process imports ``kvstore.gpu.fetcher`` and must stay light)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+MODULES = [
+    "kvstore.cli",
+    "kvstore.gpu",
+    "kvstore.gpu.connector",
+    "kvstore.gpu.fetcher",
+    "kvstore.gpu.staging",
+    "kvstore.gpu.swapin",
+    "kvstore.gpu.pools",
+    "kvstore.gpu.save",
+    "kvstore.gpu.dirtier",
+    "kvstore.gpu.clustertier",
+]
+
+
+def test_importing_kvstore_and_its_engine_side_does_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        + "".join(f"import {name}\n" for name in MODULES)
+        + "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_cli_help_does_not_import_torch() -> None:
+    code = (
+        "import sys\nfrom kvstore import cli\n"
+        "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stderr
