@@ -12,7 +12,8 @@ layers before it.
   the *current* stream wait on event i (``wait_event``): the host does not synchronise with the
   device; it only waits until the copy has been enqueued.
 - On CPU the same code runs; the copy is done by the copy thread (torch releases the GIL while
-  it copies) and each layer's signal is a ``threading.Event``.
+  it copies) and each layer's signal is host-side: layers land in order, so one counter under
+  a condition is the per-layer event (cheap to create on the step's path).
 
 A block is marked loaded in the pools only when every layer of it was copied from bytes the tier
 returned. Misses, and every block of a load whose fetch failed part-way, are reported as load
