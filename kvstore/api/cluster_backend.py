@@ -181,7 +181,7 @@ class ClusterBackend:
         self._count(name, lookups=1, hit_blocks=hit_blocks, miss_blocks=looked_up - hit_blocks)
         lease_id: str | None = None
         if lease is not None:
-            if take_lease and lease.blocks:
+            if take_lease and len(lease):
                 lease_id = lease.lease_id
                 for old in self._leases.add(lease):
                     self._release(old)

@@ -422,13 +422,15 @@ class BlockStoreClient:
             if hit == 0:
                 results.append(LookupResult(0, None))
                 continue
-            rows = placements[start : start + hit].tolist()  # C-level: no per-int Python work
-            blocks = tuple(
-                BlockLocation(keys[p], tuple(rows[p]), size)
-                for p, size in enumerate(sizes[start : start + hit].tolist())
-            )
             lease_end = float(until[start : start + hit].min())
-            results.append(LookupResult(hit, Lease(secrets.token_hex(8), lease_end, blocks)))
+            lease = Lease(
+                secrets.token_hex(8),
+                lease_end,
+                tuple(keys[:hit]),
+                placements[start : start + hit].copy(),
+                sizes[start : start + hit].copy(),
+            )
+            results.append(LookupResult(hit, lease))
         if extras:
             self._release_keys(extras, wait=False)
         return results
@@ -461,8 +463,15 @@ class BlockStoreClient:
         With ``lease`` (from ``lookup``) the shard locations it carries save a meta round trip.
         """
         checked = self._check_keys(keys)
-        known = {block.key: block for block in lease.blocks} if lease is not None else {}
-        locations: list[BlockLocation | None] = [known.get(key) for key in checked]
+        known = {key: row for row, key in enumerate(lease.block_keys)} if lease else {}
+        locations: list[BlockLocation | None] = [None] * len(checked)
+        if known:
+            assert lease is not None
+            for p, key in enumerate(checked):
+                row = known.get(key)
+                if row is not None:  # only the asked blocks become Python objects
+                    placement = tuple(lease.placements[row].tolist())
+                    locations[p] = BlockLocation(key, placement, int(lease.sizes[row]))
         unknown = [p for p, loc in enumerate(locations) if loc is None]
         if unknown:
             located = self._locate([checked[p] for p in unknown], lease)
