@@ -144,6 +144,12 @@ def swa_loss(tier: ChaosTier) -> ScenarioResult:
         f"a lookup took {slowest:.1f} s during the entrypoint outage",
     )
     ok, misses = _fetch_all(client, states, result)
+    if misses:
+        # A store may still be re-registering everything with the replacement (its fetches
+        # can then time out): "recovered" means every state is fetchable again once it is done.
+        time.sleep(2 * config.swa_call_timeout_s)
+        result.details["entrypoint"]["fetch_misses_right_after_recovery"] = misses
+        ok, misses = _fetch_all(client, states, result)  # bytes checked again, every state
     result.reads_ok += ok
     result.failed_reads += misses
 
