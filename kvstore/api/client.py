@@ -85,16 +85,16 @@ class KVStoreClient:
         traffic_class: str = "",
         take_lease: bool = True,
     ) -> HitAnswer:
+        if mode not in _MODES:
+            raise ValueError(f"mode: must be one of {sorted(_MODES)}, got {mode!r}")
         request = pb.QueryHitRequest(
             token_ids=list(token_ids or ()),
             block_keys=list(block_keys or ()),
             prompt_len=prompt_len,
-            mode=_MODES.get(mode, pb.HIT_MODE_UNSPECIFIED),
+            mode=_MODES[mode],
             traffic_class=traffic_class,
             take_lease=take_lease,
         )
-        if mode not in _MODES:
-            raise ValueError(f"mode: must be one of {sorted(_MODES)}, got {mode!r}")
         reply = self._stub.QueryHit(request, **self._kw())
         plan = reply.plan
         return HitAnswer(

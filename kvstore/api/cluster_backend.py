@@ -175,7 +175,7 @@ class ClusterBackend:
             raise InvalidArgument("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
         result = self._hit_query(name).query_hit(keys, prompt_len, mode)
         plan = result.plan
-        lease: Lease | None = result.lease if hasattr(result, "lease") else None
+        lease: Lease | None = result.lease
         hit_blocks = plan.block_hit_tokens // self._geometry.block_tokens
         looked_up = min(len(keys), plan.cap // self._geometry.block_tokens)
         self._count(name, lookups=1, hit_blocks=hit_blocks, miss_blocks=looked_up - hit_blocks)

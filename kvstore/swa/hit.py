@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvstore.errors import InvalidArgument, StoreError
-from kvstore.hitplan import MODES, STANDARD, HitPlan, hit_cap, plan_hit
+from kvstore.hitplan import MODES, STANDARD, HasHitGeometry, HitPlan, hit_cap, plan_hit
 from kvstore.keys import BlockKey, block_keys, check_keys
 from kvstore.swa.advice import Advice, FetchReplayAdvisor
 from kvstore.swa.directory import StoreRef
@@ -49,17 +49,9 @@ class StateLocator(Protocol):
     def locate(self, key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None: ...
 
 
-class HitGeometry(Protocol):
-    """What the hit query needs of ``kvstore.geometry.GeometryConfig``."""
-
-    @property
-    def window(self) -> int: ...
-
-    @property
-    def max_backtracking(self) -> int: ...
-
-    @property
-    def block_tokens(self) -> int: ...
+class HitGeometry(HasHitGeometry, Protocol):
+    """What the hit query needs of ``kvstore.geometry.GeometryConfig``: the hit rule's three
+    numbers plus the model fingerprint its block keys are made with."""
 
     def fingerprint(self) -> bytes: ...
 
