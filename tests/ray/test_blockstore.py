@@ -165,16 +165,24 @@ def test_two_dead_nodes_lose_nothing_and_repair_restores_twelve_healthy_shards(
 
 
 def test_a_restarted_storage_node_serves_its_shards_again(tier: Tier) -> None:
-    keys = tier.put(16)
-    node = 3
-    handle = tier.handles.nodes[node]
-    held = ray.get(handle.holds.remote(keys), timeout=30)
-    assert any(held)
-    before = ray.get(handle.incarnation.remote(), timeout=30)
-    tier.handles.kill_node(node, restart=True)
-    _wait_for(lambda: _restarted(handle, before), 60, "node restart")
-    assert ray.get(handle.holds.remote(keys), timeout=30) == held
-    tier.assert_all_exact()
+    # The repair loop may still be moving shards off nodes the previous test restarted (its
+    # health view lags a restart); with it running, node 3 can legitimately gain a shard
+    # between the two snapshots. Pause it, and wait out a tick in flight (stats takes its lock).
+    ray.get(tier.handles.repair.pause.remote(True), timeout=30)
+    tier.repair_stats()
+    try:
+        keys = tier.put(16)
+        node = 3
+        handle = tier.handles.nodes[node]
+        held = ray.get(handle.holds.remote(keys), timeout=30)
+        assert any(held)
+        before = ray.get(handle.incarnation.remote(), timeout=30)
+        tier.handles.kill_node(node, restart=True)
+        _wait_for(lambda: _restarted(handle, before), 60, "node restart")
+        assert ray.get(handle.holds.remote(keys), timeout=30) == held
+        tier.assert_all_exact()
+    finally:
+        ray.get(tier.handles.repair.pause.remote(False), timeout=30)
 
 
 def test_a_restarted_meta_shard_rebuilds_its_index(tier: Tier) -> None:
