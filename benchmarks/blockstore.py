@@ -8,11 +8,14 @@ pipelines: the peer a user would pick instead.
 For batches of 64 blocks of 111 KiB (113,920 B, a V4.1-Flash block) and of 1.35 MiB
 (1,415,040 B): put throughput and latency (Redis: pipelined SET), get throughput and latency
 (Redis: pipelined GET), then get with 2 storage nodes killed (degraded: 2 of 12 shards gone, so
-most blocks need Reed-Solomon decoding). Get uses the lease from one ``lookup`` (what an engine
-does: lookup, then fetch); lookup latency is reported on its own. Gets and Redis GETs are
-interleaved batch by batch so machine noise hits both alike, and the normal gets are taken half
-before and half after the degraded phase (the killed nodes restarted on their disks) so normal
-and degraded see the same stretch of noise. 1 GB = 10^9 bytes.
+most blocks need Reed-Solomon decoding). The storage nodes share this machine with the client,
+so it reads their shard files directly (short-circuit local reads, ``blockstore/localread.py``);
+"get over Ray" is the same read by a client with local reads off, i.e. what a client on a
+machine without storage nodes pays (every shard through a node actor). Get uses the lease from
+one ``lookup`` (what an engine does: lookup, then fetch); lookup latency is reported on its
+own. Gets and Redis GETs are interleaved batch by batch so machine noise hits both alike, and
+the normal gets are taken half before and half after the degraded phase (the killed nodes
+restarted on their disks) so normal and degraded see the same stretch of noise. 1 GB = 10^9 bytes.
 
 Also measured: zstd compression ratio and speed on realistic KV bytes (bf16 and fp8-e4m3 values
 from a normal distribution), which is why blocks are stored uncompressed.
@@ -295,14 +298,25 @@ def measure(
     # this way normal and degraded see the same stretch of it). Redis GETs are interleaved
     # batch by batch with every phase.
     samples: dict[str, dict[str, list[float]]] = {
-        label: {"get": [], "redis_get": [], "get_degraded": [], "redis_during_degraded": []}
+        label: {
+            "get": [],
+            "redis_get": [],
+            "get_degraded": [],
+            "redis_during_degraded": [],
+            "get_over_ray": [],
+            "redis_during_over_ray": [],
+        }
         for label in SIZES
     }
     half = max(2, args.runs // 2)
+    remote = handles.client(local_reads=False)
     for label, (keys, payloads, lease) in workloads.items():
         ours, peer = get_phase(client, redis_peer, keys, payloads, lease, half)
         samples[label]["get"] += ours
         samples[label]["redis_get"] += peer
+        ours, peer = get_phase(remote, redis_peer, keys, payloads, lease, half)
+        samples[label]["get_over_ray"] += ours
+        samples[label]["redis_during_over_ray"] += peer
     # Degraded: two storage nodes die; every block loses 2 of its 12 shards.
     for node_id in (0, 1):
         handles.kill_node(node_id, restart=False)
@@ -361,6 +375,7 @@ def table(results: dict[str, Any]) -> str:
             ("put", entry["put"], entry["redis_set"], "SET"),
             ("get", entry["get"], entry["redis_get"], "GET"),
             ("get, 2 nodes down", entry["get_degraded"], entry["redis_during_degraded"], "GET"),
+            ("get over Ray", entry["get_over_ray"], entry["redis_during_over_ray"], "GET"),
         )
         for name, ours, peer, verb in pairs:
             lines.append(

@@ -8,6 +8,10 @@ For concurrency 1, 16 and 64 it reports QueryHit QPS and p50/p99 latency (1,000 
 request, a lease taken and released as an engine would), and in the same run the reference a user
 would reach for: Redis (Debian `redis-server` on loopback, started and stopped here) answering
 EXISTS for the same 1,000 keys in one pipeline. Target: QueryHit p99 at concurrency 16 ≤ 20 ms.
+
+Also in the same run, the floor: a gRPC server (same `grpc.aio`, same messages, same Python
+client) that does nothing but answer — a 600-block plan and a lease id — so a reader can tell what
+the transport and the load generator cost on this machine from what kvstore adds.
 """
 
 from __future__ import annotations
@@ -85,6 +89,57 @@ def kvstore_up(data_dir: Path) -> Any:
             process.kill()
 
 
+def serve_floor(port_file: str) -> None:
+    """The no-op QueryHit/ReleaseLease server of the floor (run in its own process)."""
+    import asyncio
+
+    import grpc
+
+    from kvstore.api.v1 import kvstore_pb2 as pb
+    from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
+
+    class Floor(pb_grpc.KVStoreServicer):
+        async def QueryHit(self, request: Any, context: Any) -> Any:
+            keys = b"".join(request.block_keys)  # the one thing every server must do
+            hit = min(600, len(keys) // 32)
+            return pb.QueryHitResponse(
+                plan=pb.HitPlan(prompt_len=request.prompt_len, block_hit_tokens=hit * 128),
+                lease_id="0123456789abcdef",
+                hit_block_keys=list(request.block_keys[:hit]),
+            )
+
+        async def ReleaseLease(self, request: Any, context: Any) -> Any:
+            return pb.ReleaseLeaseResponse(released=True)
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_KVStoreServicer_to_server(Floor(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        Path(port_file).write_text(str(port))
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+@contextmanager
+def floor_up(scratch: Path) -> Any:
+    port_file = scratch / "floor-port"
+    process = subprocess.Popen(
+        [sys.executable, __file__, "--serve-floor", str(port_file)], stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text():
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError("the floor server did not start")
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port_file.read_text()}"
+    finally:
+        process.kill()
+        process.wait()
+
+
 def run_load(call: Callable[[], None], concurrency: int, seconds: float) -> dict[str, float]:
     """Closed-loop load: ``concurrency`` threads calling ``call`` for ``seconds``."""
     latencies: list[list[float]] = [[] for _ in range(concurrency)]
@@ -131,19 +186,33 @@ def measure(server: str, seconds: float, populate: bool) -> dict[str, Any]:
             payload = bytes(4096)
             for start in range(0, 600, 100):
                 writer.put_blocks(keys[start : start + 100], [payload] * 100, "chatbot")
-    clients = [KVStoreClient(server, timeout_s=30.0) for _ in range(8)]
-    counter = [0]
 
-    def query_hit() -> None:
-        counter[0] += 1
-        client = clients[counter[0] % len(clients)]
-        answer = client.query_hit(
-            block_keys=keys, prompt_len=int(tokens.size), traffic_class="chatbot", take_lease=True
-        )
-        if answer.lease_id:
-            client.release(answer.lease_id)
+    def engine(address: str) -> tuple[Callable[[], None], list[KVStoreClient]]:
+        """What an engine does per prompt: QueryHit with a lease, then give the lease back."""
+        clients = [KVStoreClient(address, timeout_s=30.0) for _ in range(8)]
+        counter = [0]
 
-    query_hit()  # warm-up
+        def query_hit() -> None:
+            counter[0] += 1
+            client = clients[counter[0] % len(clients)]
+            answer = client.query_hit(
+                block_keys=keys,
+                prompt_len=int(tokens.size),
+                traffic_class="chatbot",
+                take_lease=True,
+            )
+            if answer.lease_id:
+                client.release(answer.lease_id)
+
+        query_hit()  # warm-up
+        return query_hit, clients
+
+    query_hit, clients = engine(server)
+    with tempfile.TemporaryDirectory() as scratch, floor_up(Path(scratch)) as floor_address:
+        floor_query, floor_clients = engine(floor_address)
+        floor_rows = [run_load(floor_query, c, seconds) for c in CONCURRENCY]
+        for client in floor_clients:
+            client.close()
     with redis_server() as peer:
         redis_client = peer[1] if peer is not None else None
         if redis_client is not None:
@@ -155,8 +224,8 @@ def measure(server: str, seconds: float, populate: bool) -> dict[str, Any]:
                     pipe.exists(key)
                 pipe.execute()
 
-        for concurrency in CONCURRENCY:
-            row: dict[str, Any] = {"concurrency": concurrency}
+        for concurrency, floor in zip(CONCURRENCY, floor_rows, strict=True):
+            row: dict[str, Any] = {"concurrency": concurrency, "grpc_floor": floor}
             row["kvstore"] = run_load(query_hit, concurrency, seconds)
             if redis_client is not None:
                 row["redis_exists_pipelined"] = run_load(redis_exists, concurrency, seconds)
@@ -173,24 +242,31 @@ def measure(server: str, seconds: float, populate: bool) -> dict[str, Any]:
 def print_table(results: dict[str, Any]) -> None:
     print(f"QueryHit, {results['keys_per_request']} block keys per request (lease + release)")
     header = (
-        f"{'conc':>4} | {'kvstore QPS':>11} {'p50 ms':>8} {'p99 ms':>8} | "
-        f"{'redis QPS':>9} {'p50 ms':>8} {'p99 ms':>8} | {'p99 ratio':>9}"
+        f"{'conc':>4} | {'kvstore QPS':>11} {'p50 ms':>7} {'p99 ms':>7} | "
+        f"{'redis QPS':>9} {'p50 ms':>7} {'p99 ms':>7} | {'p99 vs redis':>12} | "
+        f"{'floor QPS':>9} {'p50 ms':>7} {'p99 ms':>7}"
     )
     print(header)
     print("-" * len(header))
     for row in results["rows"]:
         ours = row["kvstore"]
         peer = row.get("redis_exists_pipelined")
+        floor = row["grpc_floor"]
         peer_cols = (
-            f"{peer['qps']:>9.0f} {peer['p50_ms']:>8.2f} {peer['p99_ms']:>8.2f} | "
-            f"{ours['p99_ms'] / peer['p99_ms']:>8.2f}x"
+            f"{peer['qps']:>9.0f} {peer['p50_ms']:>7.2f} {peer['p99_ms']:>7.2f} | "
+            f"{ours['p99_ms'] / peer['p99_ms']:>11.2f}x"
             if peer
-            else f"{'n/a':>9} {'':>8} {'':>8} | {'':>9}"
+            else f"{'n/a':>9} {'':>7} {'':>7} | {'':>12}"
         )
         print(
-            f"{row['concurrency']:>4} | {ours['qps']:>11.0f} {ours['p50_ms']:>8.2f} "
-            f"{ours['p99_ms']:>8.2f} | {peer_cols}"
+            f"{row['concurrency']:>4} | {ours['qps']:>11.0f} {ours['p50_ms']:>7.2f} "
+            f"{ours['p99_ms']:>7.2f} | {peer_cols} | "
+            f"{floor['qps']:>9.0f} {floor['p50_ms']:>7.2f} {floor['p99_ms']:>7.2f}"
         )
+    print(
+        "floor: a gRPC server that answers the same messages doing nothing else, "
+        "driven by the same client"
+    )
     verdict = "PASS" if results["pass"] else "FAIL"
     print(
         f"target: QueryHit p99 at concurrency 16 ≤ {results['target_p99_c16_ms']:.0f} ms → "
@@ -203,7 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server", help="HOST:PORT of a running gateway (default: start one)")
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds per load step")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--serve-floor", metavar="PORT_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.serve_floor:
+        serve_floor(args.serve_floor)
+        return 0
     if args.server:
         results = measure(args.server, args.seconds, populate=True)
     else:

@@ -120,6 +120,48 @@ def check_keys(keys: Iterable[object], argument: str = "keys") -> list[BlockKey]
     return checked
 
 
+def key_words(keys: Sequence[object] | np.ndarray, argument: str = "keys") -> np.ndarray:
+    """Keys as an (n, 4) uint64 array (the key's 32 bytes as four native words).
+
+    This is the form every hot path works in (meta shard choice, the index probe, the wire
+    between the gateway and the meta shards): one buffer, no Python object per key. Accepts a
+    sequence of 32-byte keys or an array already shaped (n, 4) uint64 or (n, 32) uint8. The
+    result may be a read-only view of the input: copy it before writing to it.
+    """
+    if isinstance(keys, np.ndarray):
+        if keys.ndim == 2 and keys.dtype == np.uint64 and keys.shape[1] == 4:
+            return np.ascontiguousarray(keys)
+        if keys.ndim == 2 and keys.dtype == np.uint8 and keys.shape[1] == KEY_BYTES:
+            return np.ascontiguousarray(keys).view(np.uint64)
+        raise InvalidArgument(
+            argument,
+            f"an array of keys must be (n, 4) uint64 or (n, {KEY_BYTES}) uint8, "
+            f"got {keys.shape} {keys.dtype}",
+        )
+    if isinstance(keys, bytes | bytearray | memoryview | str):
+        raise InvalidArgument(argument, "must be a sequence of keys, got a single bytes object")
+    count = len(keys)
+    if count == 0:
+        return np.zeros((0, 4), dtype=np.uint64)
+    # Fast path, all in C: join, then prove every piece was exactly 32 bytes (the total is 32
+    # per key and none is shorter, so none is longer). Anything odd takes the slow path below,
+    # which names the first bad position.
+    try:
+        raw = b"".join(keys)  # type: ignore[arg-type]
+    except TypeError:  # not all bytes-like
+        raw = b""
+    if len(raw) == count * KEY_BYTES and min(map(len, keys)) == KEY_BYTES:  # type: ignore[arg-type]
+        return np.frombuffer(raw, dtype=np.uint64).reshape(count, 4)
+    raw = b"".join(check_keys(keys, argument))
+    return np.frombuffer(raw, dtype=np.uint64).reshape(count, 4)
+
+
+def words_to_keys(words: np.ndarray) -> list[BlockKey]:
+    """The inverse of ``key_words``: (n, 4) uint64 (or (n, 32) uint8) -> 32-byte keys."""
+    raw = np.ascontiguousarray(words).tobytes()
+    return [BlockKey(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
+
+
 def key_hex(key: bytes) -> str:
     """Short printable form for logs and error messages."""
     return bytes(key).hex()[:16]

@@ -8,11 +8,14 @@ wait on Ray); the server runs them in a bounded thread pool.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from kvstore.hitplan import HitPlan
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, words_to_keys
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,22 @@ class HitAnswer:
     fetch_seconds: float
     replay_seconds: float
     lease_id: str | None
-    hit_block_keys: tuple[BlockKey, ...] = ()
+    #: Keys of the hit blocks: 32-byte keys, or their (n, 4) uint64 words (``kvstore.keys``),
+    #: which a gateway can pass on packed without making an object per key.
+    hit_keys: tuple[BlockKey, ...] | np.ndarray = ()
+
+    @property
+    def hit_block_keys(self) -> tuple[BlockKey, ...]:
+        if isinstance(self.hit_keys, np.ndarray):
+            return tuple(words_to_keys(self.hit_keys))
+        return self.hit_keys
+
+    @property
+    def hit_keys_packed(self) -> bytes:
+        """The hit keys end to end, 32 bytes each."""
+        if isinstance(self.hit_keys, np.ndarray):
+            return np.ascontiguousarray(self.hit_keys).tobytes()
+        return b"".join(self.hit_keys)
 
 
 @dataclass(frozen=True)
@@ -76,7 +94,7 @@ class Backend(Protocol):
 
     def query_hit(
         self,
-        keys: list[BlockKey],
+        keys: Sequence[BlockKey] | np.ndarray,  # or (n, 4) uint64 words (kvstore.keys)
         prompt_len: int,
         mode: str,
         traffic_class: str,
@@ -95,6 +113,9 @@ class Backend(Protocol):
 
     def get_swa_state(self, key: BlockKey, position: int) -> StateRead: ...
 
-    def release_lease(self, lease_id: str) -> bool: ...
+    def release_lease(self, lease_id: str) -> bool:
+        """Give a lease back; False for an unknown id. Must not block: the gateway answers it on
+        its event loop (hand the release to the cluster asynchronously)."""
+        ...
 
     def stats(self) -> Stats: ...

@@ -15,6 +15,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import ray
 
 from kvstore.api.backend import BlockRead, HitAnswer, PutAnswer, StateRead, Stats
@@ -73,7 +74,7 @@ class _CoalescedBlocks:
         self._backend = backend
         self._traffic_class = traffic_class
 
-    def lookup(self, keys: Sequence[BlockKey]) -> tuple[int, Any]:
+    def lookup(self, keys: np.ndarray) -> tuple[int, Any]:
         result = self._backend._lookups.call((keys, self._traffic_class))
         return int(result.hit_blocks), result.lease
 
@@ -119,22 +120,16 @@ class ClusterBackend:
         self._degraded_reads = 0
         self._lock = threading.Lock()
         # Concurrent QueryHits share one round of meta-shard and directory calls.
-        self._lookups: Coalescer[tuple[Sequence[BlockKey], str], Any] = Coalescer(
-            blocks.lookup_many
-        )
+        self._lookups: Coalescer[tuple[np.ndarray, str], Any] = Coalescer(blocks.lookup_many)
         self._locates: Coalescer[BlockKey, StoreRef | None] = Coalescer(
             lambda keys: swa.lookup(list(keys))
         )
-        self._releases: Coalescer[Lease, None] = Coalescer(self._release_batch)
-
-    def _release_batch(self, leases: Sequence[Lease]) -> list[None]:
-        # One call per meta shard for every lease given back meanwhile; nobody waits on it.
-        self._blocks.release_many(leases, wait=False)
-        return [None] * len(leases)
 
     def _release(self, lease: Lease | None) -> None:
+        # Deferred: it rides on the next lookup to each meta shard (``release_batch_s``), so
+        # a ReleaseLease costs no cluster call of its own under load.
         if lease is not None:
-            self._releases.call(lease)
+            self._blocks.release_many([lease], wait=False)
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -164,7 +159,7 @@ class ClusterBackend:
 
     def query_hit(
         self,
-        keys: list[BlockKey],
+        keys: Sequence[BlockKey] | np.ndarray,
         prompt_len: int,
         mode: str,
         traffic_class: str,
@@ -195,7 +190,9 @@ class ClusterBackend:
             fetch_seconds=0.0 if advice is None else advice.fetch_s,
             replay_seconds=0.0 if advice is None else advice.replay_s,
             lease_id=lease_id,
-            hit_block_keys=tuple(keys[:hit_blocks]),
+            hit_keys=result.lease.key_words[:hit_blocks]
+            if hit_blocks and result.lease is not None
+            else (),
         )
 
     def put_blocks(
@@ -304,6 +301,11 @@ class ClusterBackend:
                 "dead_nodes": sorted(dead),
                 "repair": repair or {},
                 "client": self._blocks.stats(),
+                # How well concurrent QueryHits share cluster calls: requests per batch.
+                "coalescing": {
+                    name: {"batches": c.batches, "requests": c.items}
+                    for name, c in (("lookups", self._lookups), ("locates", self._locates))
+                },
             },
         )
 

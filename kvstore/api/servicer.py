@@ -18,13 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+import numpy as np
 
 from kvstore.api.backend import Backend
 from kvstore.api.metrics import ApiMetrics
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidArgument, KVStoreError, Overloaded, grpc_status_name
-from kvstore.keys import KEY_BYTES, BlockKey, block_keys
+from kvstore.keys import KEY_BYTES, BlockKey, block_keys, key_words
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,6 +51,26 @@ def _keys(raw: Any, field: str) -> list[BlockKey]:
             raise InvalidArgument(f"{field}[{index}]", f"must be {KEY_BYTES} bytes, got {len(key)}")
         keys.append(BlockKey(bytes(key)))
     return keys
+
+
+def _key_words(raw: Any, field: str) -> np.ndarray:
+    """Many keys at once as (n, 4) uint64 words: no Python object per key (QueryHit's 1,000)."""
+    if len(raw) > MAX_KEYS_PER_REQUEST:
+        raise InvalidArgument(field, f"at most {MAX_KEYS_PER_REQUEST} keys, got {len(raw)}")
+    return key_words(raw, field)
+
+
+def _packed_key_words(raw: bytes, field: str) -> np.ndarray:
+    """Keys given end to end in one bytes field, as (n, 4) uint64 words (no copy)."""
+    if len(raw) % KEY_BYTES:
+        raise InvalidArgument(
+            field, f"must be a multiple of {KEY_BYTES} bytes (whole keys), got {len(raw)}"
+        )
+    if len(raw) // KEY_BYTES > MAX_KEYS_PER_REQUEST:
+        raise InvalidArgument(
+            field, f"at most {MAX_KEYS_PER_REQUEST} keys, got {len(raw) // KEY_BYTES}"
+        )
+    return np.frombuffer(raw, dtype=np.uint64).reshape(-1, 4)
 
 
 def _short_string(value: str, field: str, limit: int) -> str:
@@ -82,8 +103,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     # --- plumbing ------------------------------------------------------------------------
 
-    async def _call(self, method: str, context: Any, work: Callable[[], T]) -> T:
-        """Run ``work`` in the pool with admission control; map errors to status codes."""
+    async def _call(
+        self, method: str, context: Any, work: Callable[[], T], inline: bool = False
+    ) -> T:
+        """Run ``work`` in the pool with admission control; map errors to status codes.
+        ``inline``: work that never blocks (``Backend`` says which) runs on the event loop,
+        sparing the thread hop that would cost more than the work."""
         if self._in_flight >= self._max_in_flight:
             await self._abort(
                 context, method, Overloaded(f"{self._max_in_flight} requests in flight")
@@ -91,6 +116,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._in_flight += 1
         started = time.perf_counter()
         try:
+            if inline:
+                return work()
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._executor, work)
         except KVStoreError as error:
@@ -131,6 +158,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             ),
         )
         plan = answer.plan
+        packed = bool(request.block_keys_packed)
         return pb.QueryHitResponse(
             plan=pb.HitPlan(
                 prompt_len=plan.prompt_len,
@@ -149,16 +177,26 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             fetch_seconds=answer.fetch_seconds,
             replay_seconds=answer.replay_seconds,
             lease_id=answer.lease_id or "",
-            hit_block_keys=list(answer.hit_block_keys),
+            # The response mirrors the request's form of the keys (packed or one per key).
+            hit_block_keys=() if packed else list(answer.hit_block_keys),
+            hit_block_keys_packed=answer.hit_keys_packed if packed else b"",
         )
 
-    def _query_args(self, request: Any) -> tuple[list[BlockKey], int, str, str]:
+    def _query_args(self, request: Any) -> tuple[np.ndarray, int, str, str]:
         if request.mode not in _MODES:
             raise InvalidArgument("mode", f"unknown hit mode {request.mode}")
         traffic_class = _short_string(request.traffic_class, "traffic_class", MAX_CLASS_CHARS)
         prompt_len = _non_negative(request.prompt_len, "prompt_len")
-        if request.token_ids and request.block_keys:
-            raise InvalidArgument("token_ids", "give token_ids or block_keys, not both")
+        given = [
+            name
+            for name in ("token_ids", "block_keys", "block_keys_packed")
+            if getattr(request, name)
+        ]
+        if len(given) > 1:
+            raise InvalidArgument(
+                given[0],
+                f"give one of token_ids, block_keys, block_keys_packed; got {' and '.join(given)}",
+            )
         if request.token_ids:
             if len(request.token_ids) > MAX_TOKENS_PER_REQUEST:
                 raise InvalidArgument(
@@ -171,9 +209,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     f"{prompt_len} differs from the {len(request.token_ids)} token_ids given",
                 )
             prompt_len = len(request.token_ids)
-            keys = block_keys(self._backend.model_fingerprint, list(request.token_ids))
+            keys = key_words(block_keys(self._backend.model_fingerprint, list(request.token_ids)))
+        elif request.block_keys_packed:
+            keys = _packed_key_words(request.block_keys_packed, "block_keys_packed")
         else:
-            keys = _keys(request.block_keys, "block_keys")
+            keys = _key_words(request.block_keys, "block_keys")
             if len(keys) * 128 > prompt_len:
                 raise InvalidArgument(
                     "prompt_len",
@@ -293,7 +333,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
         lease_id = await self._validate(context, "ReleaseLease", check)
         released = await self._call(
-            "ReleaseLease", context, lambda: self._backend.release_lease(lease_id)
+            "ReleaseLease", context, lambda: self._backend.release_lease(lease_id), inline=True
         )
         return pb.ReleaseLeaseResponse(released=released)
 

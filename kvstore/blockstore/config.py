@@ -70,6 +70,10 @@ class BlockStoreConfig:
     #: A read asks the fastest k nodes; shards still missing after this long are asked of the
     #: remaining m nodes too (hedging).
     hedge_after_s: float = 0.05
+    #: A lease given back without waiting (``release_many(wait=False)``, the blocks a lookup
+    #: leased beyond its prefix) waits up to this long to ride on the next lookup to its meta
+    #: shard, so under load releases cost no calls of their own. 0 sends each at once.
+    release_batch_s: float = 0.02
     #: A client that saw a node fail skips it for this long before trying it again.
     node_retry_s: float = 5.0
     #: How long a writer's reservation of a key lasts (a put longer than this loses it).
@@ -89,6 +93,9 @@ class BlockStoreConfig:
     data_root: str = "/var/lib/kvstore/blocks"
     #: Name prefix of the Ray actors of one deployment (several may share a cluster).
     deployment: str = "blockstore"
+    #: Clients read the shard files of storage nodes on their own machine straight from disk
+    #: while those nodes live (``localread.py``); other nodes are read over Ray.
+    local_reads: bool = True
 
     def __post_init__(self) -> None:
         for name in ("data_shards", "parity_shards", "storage_nodes", "meta_shards"):
@@ -115,6 +122,14 @@ class BlockStoreConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(name, f"must be a positive number of seconds, got {value!r}")
+        if (
+            not isinstance(self.release_batch_s, int | float)
+            or isinstance(self.release_batch_s, bool)
+            or not 0 <= self.release_batch_s <= 1
+        ):
+            raise ConfigError(
+                "release_batch_s", f"must be in [0, 1] seconds, got {self.release_batch_s!r}"
+            )
         if not isinstance(self.orphan_grace_s, int | float) or self.orphan_grace_s < 0:
             raise ConfigError("orphan_grace_s", f"must be >= 0, got {self.orphan_grace_s!r}")
         _positive_int("repair_batch", self.repair_batch)
@@ -123,6 +138,8 @@ class BlockStoreConfig:
             raise ConfigError("node", "must be a StorageNodeConfig")
         if not self.data_root:
             raise ConfigError("data_root", "must name a directory")
+        if not isinstance(self.local_reads, bool):
+            raise ConfigError("local_reads", f"must be true or false, got {self.local_reads!r}")
         if not self.deployment or not self.deployment.replace("-", "").isalnum():
             raise ConfigError("deployment", f"must be alphanumeric/dashes, got {self.deployment!r}")
 

@@ -9,6 +9,7 @@ target dead or hung).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Collection, Mapping
 from typing import Any, Protocol
@@ -47,8 +48,15 @@ class LocalFanout:
         self._outcomes: dict[int, tuple[bool, Any]] = {}
         self._never: set[int] = set()
         self._ids = itertools.count()
+        # The plain objects behind it are single-threaded (like an actor); the block client's
+        # release flusher thread calls in too.
+        self._lock = threading.RLock()
 
     def submit(self, target: Target, method: str, *args: Any) -> int:
+        with self._lock:
+            return self._submit(target, method, *args)
+
+    def _submit(self, target: Target, method: str, *args: Any) -> int:
         ticket = next(self._ids)
         self.calls.append((target, method))
         if target in self.hung:
@@ -71,7 +79,8 @@ class LocalFanout:
         return ready
 
     def result(self, ticket: int) -> Any:
-        ok, value = self._outcomes.pop(ticket)
+        with self._lock:
+            ok, value = self._outcomes.pop(ticket)
         if not ok:
             raise value
         return value

@@ -51,7 +51,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.keys import KEY_BYTES, BlockKey, key_words, words_to_keys
 
 #: Value of the ``class`` column that marks a free (unused) row.
 FREE_CLASS = 255
@@ -70,6 +70,8 @@ _MAX_LOAD = 0.7
 _MIN_TABLE = 1024
 _GROWTH = 1.25
 _HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+#: A lookup finishes key by key once this few keys are still probing (``_probe_tail``).
+_SCALAR_TAIL = 24
 
 TimeBasis = Literal["last_access", "created"]
 SNAPSHOT_FORMAT = "kvstore.block_index.v1"
@@ -94,38 +96,13 @@ class BlockRecords:
 
 
 def keys_to_array(keys: Sequence[bytes] | np.ndarray, argument: str = "keys") -> np.ndarray:
-    """Keys as an (n, 4) uint64 array (the index's key column format).
-
-    Accepts a sequence of 32-byte ``bytes`` or an array already shaped (n, 4) uint64 or
-    (n, 32) uint8 (the fast path for bulk loads: no Python object per key).
-    """
-    if isinstance(keys, np.ndarray):
-        if keys.ndim == 2 and keys.dtype == np.uint64 and keys.shape[1] == 4:
-            return np.ascontiguousarray(keys)
-        if keys.ndim == 2 and keys.dtype == np.uint8 and keys.shape[1] == KEY_BYTES:
-            return np.ascontiguousarray(keys).view(np.uint64).reshape(-1, 4)
-        raise InvalidArgument(
-            argument,
-            f"an array of keys must be (n, 4) uint64 or (n, {KEY_BYTES}) uint8, "
-            f"got {keys.shape} {keys.dtype}",
-        )
-    if isinstance(keys, bytes | bytearray | memoryview):
-        raise InvalidArgument(argument, "must be a sequence of keys, got a single bytes object")
-    for position, key in enumerate(keys):
-        if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
-            got = f"{len(key)} bytes" if isinstance(key, bytes | bytearray) else type(key).__name__
-            raise InvalidArgument(
-                f"{argument}[{position}]", f"must be {KEY_BYTES} bytes, got {got}"
-            )
-    if len(keys) == 0:
-        return np.zeros((0, 4), dtype=np.uint64)
-    return np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(-1, 4).copy()
+    """Keys as an (n, 4) uint64 array, the key column's format (``kvstore.keys.key_words``)."""
+    return key_words(keys, argument)
 
 
 def array_to_keys(array: np.ndarray) -> list[BlockKey]:
     """The inverse of ``keys_to_array``: (n, 4) uint64 -> list of 32-byte keys."""
-    raw = np.ascontiguousarray(array, dtype=np.uint64).tobytes()
-    return [BlockKey(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
+    return words_to_keys(array)
 
 
 def _claim(table: np.ndarray, at: np.ndarray, candidates: np.ndarray) -> np.ndarray:
@@ -300,6 +277,9 @@ class BlockIndex:
         is_new = np.zeros(n, dtype=bool)
         pending = np.arange(n)
         while pending.size:
+            if not insert and pending.size <= _SCALAR_TAIL:
+                self._probe_tail(keys4, pending, slots, rows)
+                break
             at = slots[pending]
             occupant = table[at].astype(np.int64)
             matched = np.zeros(pending.size, dtype=bool)
@@ -336,6 +316,28 @@ class BlockIndex:
             slots[moving] = (slots[moving] + 1) & mask
             pending = pending[~finished]
         return rows, slots, is_new
+
+    def _probe_tail(
+        self, keys4: np.ndarray, pending: np.ndarray, slots: np.ndarray, rows: np.ndarray
+    ) -> None:
+        """Finish a lookup for the few keys still probing, one at a time: a batch takes as many
+        vectorised rounds as its longest probe chain, and a handful of long chains would
+        otherwise cost a dozen whole-batch rounds."""
+        table = self._table
+        mask = table.size - 1
+        key_column = self._key
+        for index in pending.tolist():
+            slot = int(slots[index])
+            wanted = keys4[index].tolist()
+            while True:
+                occupant = int(table[slot])
+                if occupant == _EMPTY:
+                    break
+                if occupant >= 0 and key_column[occupant].tolist() == wanted:
+                    rows[index] = occupant
+                    break
+                slot = (slot + 1) & mask
+            slots[index] = slot
 
     # --- validation ------------------------------------------------------------------------
 
@@ -480,6 +482,29 @@ class BlockIndex:
             lease_until=self._lease_until[array].astype(np.float64),
             lease_count=self._lease_count[array].astype(np.int32),
         )
+
+    def locations(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(placements int32 with -1 for none, sizes int64, classes uint8) of ``rows``: what a
+        lookup answers, without the per-key objects of ``get``."""
+        array = self._check_rows(rows)
+        placement = self._placement[array].astype(np.int32)
+        placement[placement == _NO_NODE] = -1
+        return placement, self._size[array].astype(np.int64), self._class[array]
+
+    def rows_holding(self, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """True where ``rows[i]`` is a live row holding key ``keys[i]`` ((n, 4) uint64): lets a
+        caller that remembered rows act on them directly, safe against a row freed and reused
+        (or renumbered by a restart) since."""
+        array = np.asarray(rows, dtype=np.int64)
+        words = keys_to_array(keys)
+        if array.shape != (words.shape[0],):
+            raise InvalidArgument("rows", f"must have one row per key, got {array.shape}")
+        ok = (array >= 0) & (array < self._high)
+        inside = np.flatnonzero(ok)
+        ok[inside] = (self._class[array[inside]] != FREE_CLASS) & (
+            self._key[array[inside]] == words[inside]
+        ).all(axis=1)
+        return ok
 
     def touch(self, rows: Sequence[int] | np.ndarray, now: float | np.ndarray) -> None:
         """Record an access at ``now`` (last access never moves backwards). ``now`` may also be

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -30,7 +31,7 @@ from kvstore.blockstore.placement import meta_shard_of
 from kvstore.blockstore.records import MissReason, PutStatus, RemovedBlock, StripeRecord
 from kvstore.clock import Clock, SystemClock
 from kvstore.errors import InvalidArgument
-from kvstore.keys import KEY_BYTES, BlockKey, check_key
+from kvstore.keys import KEY_BYTES, BlockKey, check_key, key_words
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,27 @@ class MetaReply:
     rebuilding: bool
     #: Nodes this shard knows are dead (from the repair loop): readers skip them at once.
     down: tuple[int, ...] = ()
+    #: Index row of each found key (-1 otherwise): hand them back to ``release``.
+    rows: np.ndarray | None = None
+
+    def to_wire(self) -> tuple[Any, ...]:
+        """A plain tuple: what crosses Ray cheapest. Every extra argument and every dataclass
+        is serialised on its own: on this 2-core box a 6-argument call answering a dataclass of
+        arrays took ~1.7 ms, one tuple in and one out ~1.2 ms, an empty call ~0.65 ms."""
+        return (
+            self.found,
+            self.readable,
+            self.placements,
+            self.sizes,
+            self.lease_until,
+            self.rebuilding,
+            self.down,
+            self.rows,
+        )
+
+    @classmethod
+    def from_wire(cls, wire: tuple[Any, ...]) -> MetaReply:
+        return cls(*wire)
 
 
 @dataclass(slots=True)
@@ -106,14 +128,7 @@ class MetaShard:
 
     def _keys(self, keys: Sequence[bytes], argument: str = "keys") -> list[BlockKey]:
         checked = [check_key(key, f"{argument}[{i}]") for i, key in enumerate(keys)]
-        if checked:
-            owners = meta_shard_of(checked, self.config.meta_shards)
-            wrong = np.flatnonzero(owners != self.shard_id)
-            if wrong.size:
-                raise InvalidArgument(
-                    f"{argument}[{int(wrong[0])}]",
-                    f"belongs to meta shard {int(owners[wrong[0]])}, not {self.shard_id}",
-                )
+        self._key_array(checked, argument)  # each must belong to this shard
         return checked
 
     def _readable(self, placements: np.ndarray, extra_down: Sequence[int]) -> np.ndarray:
@@ -127,15 +142,6 @@ class MetaShard:
         if class_id is None:
             return "unknown"
         return self.config.class_name(int(class_id))
-
-    def _count_miss(self, key: bytes, reason: str | None, traffic_class: str | None) -> None:
-        tomb = self._tombstones.get(key)
-        if reason is None:
-            reason = tomb[0] if tomb is not None else MissReason.NEVER_WRITTEN
-        name = traffic_class if traffic_class in self._misses else None
-        if name is None:
-            name = self._class_name(tomb[1]) if tomb is not None else "unknown"
-        self._misses.setdefault(name, dict.fromkeys(MissReason.ALL, 0))[reason] += 1
 
     def _tombstone(self, removed: BlockRecords, reason: str) -> None:
         if self.config.tombstones == 0:
@@ -229,102 +235,160 @@ class MetaShard:
 
     # --- readers ---------------------------------------------------------------------------
 
+    def _key_array(self, keys: Sequence[bytes] | np.ndarray, argument: str = "keys") -> np.ndarray:
+        """``keys`` as (n, 4) uint64 words, each checked to belong to this shard."""
+        words = key_words(keys, argument)
+        if words.shape[0]:
+            owners = meta_shard_of(words, self.config.meta_shards)
+            wrong = np.flatnonzero(owners != self.shard_id)
+            if wrong.size:
+                raise InvalidArgument(
+                    f"{argument}[{int(wrong[0])}]",
+                    f"belongs to meta shard {int(owners[wrong[0]])}, not {self.shard_id}",
+                )
+        return words
+
     def _answer(
         self,
-        keys: list[BlockKey],
+        words: np.ndarray,
         down_nodes: Sequence[int],
         traffic_class: str | None,
         lease_until: float | None,
         lease_for: float | None,
     ) -> MetaReply:
-        n = len(keys)
-        empty = MetaReply(
-            np.zeros(n, bool),
-            np.zeros(n, bool),
-            np.full((n, self._width), -1, np.int32),
-            np.zeros(n, np.int64),
-            0.0,
-            self._rebuilding,
-        )
-        if self._rebuilding:
-            for key in keys:
-                self._count_miss(key, MissReason.REBUILDING, traffic_class)
-            return empty
-        if n == 0:
-            return empty
-        now = self._clock.now()
-        rows = self._index.find(keys)
-        found = rows >= 0
-        placements = empty.placements
-        sizes = empty.sizes
+        n = words.shape[0]
+        rows = np.full(n, -1, np.int64)
         readable = np.zeros(n, bool)
-        classes = np.zeros(n, np.int64)
-        if found.any():
-            records = self._index.get(rows[found])
-            placements[found] = records.placements
-            sizes[found] = records.sizes
-            classes[found] = records.classes
-            readable[found] = self._readable(records.placements, down_nodes)
-            self._index.touch(rows[found], now)
+        placements = np.full((n, self._width), -1, np.int32)
+        sizes = np.zeros(n, np.int64)
+        if self._rebuilding or n == 0:
+            if n:
+                self._count_absent(words, MissReason.REBUILDING, traffic_class)
+            return MetaReply(
+                rows >= 0, readable, placements, sizes, 0.0, self._rebuilding, (), rows
+            )
+        now = self._clock.now()
+        rows = self._index.find(words)
+        found = rows >= 0
+        hits = rows[found]
+        unreadable_classes = np.zeros(0, np.uint8)
+        if hits.size:
+            placements[found], sizes[found], classes = self._index.locations(hits)
+            readable_hits = self._readable(placements[found], down_nodes)
+            readable[found] = readable_hits
+            unreadable_classes = classes[~readable_hits]
+            self._index.touch(hits, now)
         until = 0.0
-        if lease_for is not None and readable.any():
+        leased = int(readable.sum())
+        if lease_for is not None and leased:
             until = now + lease_for
             self._index.acquire_lease(rows[readable], until)
-            self._counters["leases"] += int(readable.sum())
-        for position in np.flatnonzero(~readable):
-            key = keys[int(position)]
-            name = traffic_class
-            if found[position]:
-                reason: str | None = MissReason.UNREADABLE
-                name = name or self.config.class_name(int(classes[position]))
-            elif lease_until is not None and lease_until <= now:
-                reason = MissReason.LEASE_EXPIRED
-            else:
-                reason = None
-            self._count_miss(key, reason, name)
+            self._counters["leases"] += leased
+        if unreadable_classes.size:
+            self._count_unreadable(unreadable_classes, traffic_class)
+        if leased + unreadable_classes.size < n:
+            expired = lease_until is not None and lease_until <= now
+            absent = words[~found]
+            self._count_absent(absent, MissReason.LEASE_EXPIRED if expired else None, traffic_class)
         self._counters["lookup_keys"] += n
-        self._counters["hit_keys"] += int(readable.sum())
+        self._counters["hit_keys"] += leased
         return MetaReply(
-            found, readable, placements, sizes, until, False, tuple(sorted(self._down))
+            found, readable, placements, sizes, until, False, tuple(sorted(self._down)), rows
         )
+
+    def _miss_counts(self, name: str) -> dict[str, int]:
+        counts = self._misses.get(name)
+        if counts is None:
+            counts = self._misses[name] = dict.fromkeys(MissReason.ALL, 0)
+        return counts
+
+    def _count_unreadable(self, classes: np.ndarray, traffic_class: str | None) -> None:
+        """Committed but unreadable blocks, counted under the asking class (or their own)."""
+        if traffic_class in self._misses:
+            self._miss_counts(str(traffic_class))[MissReason.UNREADABLE] += int(classes.size)
+            return
+        for class_id, count in zip(*np.unique(classes, return_counts=True), strict=True):
+            name = self.config.class_name(int(class_id))
+            self._miss_counts(name)[MissReason.UNREADABLE] += int(count)
+
+    def _count_absent(
+        self, words: np.ndarray, reason: str | None, traffic_class: str | None
+    ) -> None:
+        """Keys not in the index. Without a ``reason``, the tombstone of a removed key says why
+        (evicted, expired) and which class it had; otherwise it was never written."""
+        known = traffic_class if traffic_class in self._misses else None
+        if not self._tombstones:
+            name = known or "unknown"
+            self._miss_counts(name)[reason or MissReason.NEVER_WRITTEN] += int(words.shape[0])
+            return
+        raw = np.ascontiguousarray(words).tobytes()
+        tomb_of = self._tombstones.get
+        for start in range(0, len(raw), KEY_BYTES):
+            tomb = tomb_of(raw[start : start + KEY_BYTES])
+            why = reason or (tomb[0] if tomb is not None else MissReason.NEVER_WRITTEN)
+            name = known or (self._class_name(tomb[1]) if tomb is not None else "unknown")
+            self._miss_counts(name)[why] += 1
 
     def lookup(
         self,
-        keys: Sequence[bytes],
+        keys: Sequence[bytes] | np.ndarray,
         down_nodes: Sequence[int] = (),
         traffic_class: str | None = None,
         lease_seconds: float | None = None,
+        release_keys: Sequence[bytes] | np.ndarray | None = None,
+        release_rows: np.ndarray | None = None,
     ) -> MetaReply:
         """Which keys are committed and readable; leases every readable one (the client
-        releases those beyond the consecutive prefix)."""
-        checked = self._keys(keys)
+        releases those beyond the consecutive prefix). ``keys``: 32-byte keys, or their (n, 4)
+        uint64 / (n, 32) uint8 array (what the block client sends: no object per key).
+        ``release_keys``/``release_rows``: leases to give back first (``release``), riding on
+        this call instead of costing one of their own."""
+        if release_keys is not None:
+            self.release(release_keys, release_rows)
+        words = self._key_array(keys)
         self._counters["lookups"] += 1
         lease_for = self.config.lease_seconds if lease_seconds is None else lease_seconds
         if lease_for <= 0:
             raise InvalidArgument("lease_seconds", f"must be > 0, got {lease_for}")
-        return self._answer(checked, down_nodes, traffic_class, None, lease_for)
+        return self._answer(words, down_nodes, traffic_class, None, lease_for)
+
+    def lookup_wire(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``lookup`` with its arguments as one tuple and its reply as ``MetaReply.to_wire``:
+        the form the block client calls across Ray (one argument, no dataclass)."""
+        return self.lookup(*request).to_wire()
 
     def locate(
         self,
-        keys: Sequence[bytes],
+        keys: Sequence[bytes] | np.ndarray,
         down_nodes: Sequence[int] = (),
         traffic_class: str | None = None,
         lease_until: float | None = None,
     ) -> MetaReply:
         """Like ``lookup`` without taking a lease (``lease_until``: the caller's lease, to tell a
         miss caused by its expiry)."""
-        return self._answer(self._keys(keys), down_nodes, traffic_class, lease_until, None)
+        return self._answer(self._key_array(keys), down_nodes, traffic_class, lease_until, None)
 
-    def release(self, keys: Sequence[bytes]) -> int:
-        """Release one lease on each of ``keys`` (unknown keys are ignored)."""
-        if self._rebuilding or not keys:
+    def release(self, keys: Sequence[bytes] | np.ndarray, rows: np.ndarray | None = None) -> int:
+        """Release one lease on each of ``keys`` (unknown keys are ignored). ``rows``: the rows
+        ``lookup`` answered for them, which saves the probe; a row that no longer holds its key
+        (freed, or renumbered by a rebuild) is looked up again."""
+        if self._rebuilding:
             return 0
-        rows = self._index.find([check_key(key) for key in keys])
-        rows = rows[rows >= 0]
-        if rows.size:
-            self._index.release_lease(rows)
-        self._counters["releases"] += int(rows.size)
-        return int(rows.size)
+        words = key_words(keys)
+        if words.shape[0] == 0:
+            return 0
+        if rows is None:
+            found = self._index.find(words)
+        else:
+            found = np.array(rows, dtype=np.int64)
+            stale = ~self._index.rows_holding(found, words)
+            if stale.any():
+                found[stale] = self._index.find(words[stale])
+        found = found[found >= 0]
+        if found.size:
+            self._index.release_lease(found)
+        self._counters["releases"] += int(found.size)
+        return int(found.size)
 
     # --- repair ----------------------------------------------------------------------------
 

@@ -3,6 +3,8 @@
 Disk layout under ``data_dir``::
 
     NODE              the node id this directory belongs to (a dir is never served as another)
+    LIVE              held locked while a node serves the dir: co-located clients read shard
+                      files directly while it is (``localread.py``)
     pending/<key>.<token>   shards written by a put that has not committed yet
     shards/<key>            committed shards (one per key: a stripe never has two shards here)
     quarantine/             shard files a scrub found corrupt (kept for post-mortems)
@@ -34,6 +36,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from kvstore.blockstore.config import StorageNodeConfig
+from kvstore.blockstore.localread import LiveLock, LocalReadGrant
 from kvstore.blockstore.placement import meta_shard_of
 from kvstore.blockstore.shardfile import (
     NODE_HEADER_BYTES,
@@ -120,6 +123,7 @@ class StorageNode:
             "bytes_read": 0,
         }
         self._open_directory()
+        self._live = LiveLock.take(self._root, node_id)
 
     # --- start-up --------------------------------------------------------------------------
 
@@ -436,6 +440,17 @@ class StorageNode:
 
     def ping(self) -> int:
         return self.node_id
+
+    def local_read_grant(self) -> LocalReadGrant | None:
+        """What a client on this machine needs to read this node's shard files directly
+        (None: it may not, e.g. another node object serves this directory)."""
+        return self._live.grant if self._live is not None else None
+
+    def close(self) -> None:
+        """Stop serving: co-located clients stop reading this directory directly (as when
+        the process dies). The node object is not used afterwards."""
+        if self._live is not None:
+            self._live.release()
 
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
         return [bytes(key) in self._committed for key in keys]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import KEY_BYTES
+from kvstore.keys import key_words as _key_words
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -41,18 +41,12 @@ def _splitmix64(values: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def key_words(keys: Sequence[bytes]) -> np.ndarray:
+def key_words(keys: Sequence[bytes] | np.ndarray) -> np.ndarray:
     """(n, 4) little-endian uint64 words of 32-byte keys (the same on any machine)."""
-    if len(keys) == 0:
-        return np.zeros((0, 4), dtype=np.uint64)
-    for position, key in enumerate(keys):
-        if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
-            raise InvalidArgument(f"keys[{position}]", f"must be {KEY_BYTES} bytes")
-    raw = b"".join(keys)
-    return np.frombuffer(raw, dtype="<u8").reshape(-1, 4).astype(np.uint64)
+    return _key_words(keys).astype("<u8", copy=False)  # a no-op on little-endian hosts
 
 
-def meta_shard_of(keys: Sequence[bytes], num_shards: int) -> np.ndarray:
+def meta_shard_of(keys: Sequence[bytes] | np.ndarray, num_shards: int) -> np.ndarray:
     """Meta shard (0..num_shards-1) owning each key, as an int64 array."""
     if num_shards <= 0:
         raise InvalidArgument("num_shards", f"must be >= 1, got {num_shards}")

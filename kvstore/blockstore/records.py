@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import cached_property
 
 import numpy as np
 
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, words_to_keys
 
 
 class MissReason:
@@ -60,16 +61,23 @@ class BlockLocation:
 class Lease:
     """Protection of looked-up blocks from GC until ``until`` (or until released).
 
-    Carries the blocks' locations so ``get_blocks`` needs no second meta round trip. They are
-    kept as arrays: a 1,000-block hit would otherwise allocate ~13,000 Python objects per
-    lookup, and the cyclic GC those feed was the tail of QueryHit latency.
+    Carries the blocks' locations so ``get_blocks`` needs no second meta round trip, and the
+    index rows the meta shards answered so a release needs no second probe. Everything is kept
+    as arrays: a 1,000-block hit would otherwise allocate ~13,000 Python objects per lookup, and
+    the cyclic GC those feed was the tail of QueryHit latency. The keys as ``bytes`` are built
+    only when asked for.
     """
 
     lease_id: str
     until: float
-    block_keys: tuple[BlockKey, ...]
+    key_words: np.ndarray  # (n, 4) uint64: the keys (``kvstore.keys.key_words``)
     placements: np.ndarray  # (n, stripe width) int32: node id per shard index; -1 = lost
     sizes: np.ndarray  # (n,) int64
+    rows: np.ndarray | None = None  # (n,) int64: index row on the key's meta shard (a hint)
+
+    @cached_property
+    def block_keys(self) -> tuple[BlockKey, ...]:
+        return tuple(words_to_keys(self.key_words))
 
     @property
     def keys(self) -> list[BlockKey]:
@@ -85,7 +93,7 @@ class Lease:
         )
 
     def __len__(self) -> int:
-        return len(self.block_keys)
+        return int(self.key_words.shape[0])
 
 
 @dataclass(frozen=True)

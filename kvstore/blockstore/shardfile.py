@@ -23,13 +23,14 @@ block against it: a mixed or corrupted stripe is a miss, never wrong bytes.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from kvstore.ec.shard import HEADER_BYTES as SHARD_HEADER_BYTES
-from kvstore.ec.shard import INDEX_OFFSET
+from kvstore.ec.shard import INDEX_OFFSET, MAGIC, VERSION
 from kvstore.errors import CorruptShard
 
 NODE_MAGIC = b"KVSN"
@@ -40,6 +41,8 @@ assert _LAYOUT.size == NODE_HEADER_BYTES
 _COVERED = 40
 #: Where the payload hash sits in a shard file (readers group shards by it).
 PAYLOAD_HASH = slice(16, 32)
+#: Both headers of a shard file; its fragment follows them.
+SHARD_FILE_HEAD_BYTES = NODE_HEADER_BYTES + SHARD_HEADER_BYTES
 #: Codec header bytes a node needs without verifying the whole shard (startup scan).
 _PAYLOAD_LEN = struct.Struct("<Q")
 _PAYLOAD_LEN_OFFSET = 16
@@ -97,3 +100,46 @@ def peek_shard(file_bytes: bytes) -> tuple[int, int]:
     index = file_bytes[base + INDEX_OFFSET]
     (payload_len,) = _PAYLOAD_LEN.unpack_from(file_bytes, base + _PAYLOAD_LEN_OFFSET)
     return int(index), int(payload_len)
+
+
+def data_heads_match(
+    heads: np.ndarray,
+    keys: Sequence[bytes],
+    payload_len: int,
+    k: int,
+    m: int,
+    indices: np.ndarray | None = None,
+) -> np.ndarray:
+    """Which blocks' shard headers fit together, for readers that put fragments straight into
+    a block: ``heads[b, j]`` holds the first ``SHARD_FILE_HEAD_BYTES`` of the shard at stripe
+    position ``indices[b, j]`` (default ``j``) of block ``b`` (``keys[b]``). True where every
+    one is a shard file of this key, at that position, of this geometry and payload length,
+    and all carry one payload hash (node and codec header alike). Vectorised: no Python work
+    per shard.
+
+    Checksums are not verified here: the caller hashes the block it assembled against that
+    payload hash, which covers every byte it returns (what the decoder's fast path does too).
+    """
+    blocks, width, head = heads.shape
+    if head != SHARD_FILE_HEAD_BYTES or len(keys) != blocks:
+        raise ValueError(f"heads of shape {heads.shape} for {len(keys)} keys")
+    if indices is None:
+        positions: np.ndarray = np.arange(width, dtype=np.uint8)
+    elif indices.shape != (blocks, width):
+        raise ValueError(f"indices of shape {indices.shape} for heads of {heads.shape}")
+    else:
+        positions = indices
+    node_ok = (heads[:, :, :4] == np.frombuffer(NODE_MAGIC, np.uint8)).all(axis=(1, 2))
+    node_ok &= (heads[:, :, 4] == NODE_VERSION).all(axis=1)
+    digests = heads[:, :, PAYLOAD_HASH]
+    node_ok &= (digests == digests[:, :1]).all(axis=(1, 2))
+    # Codec header from its magic on (the checksum before it covers bytes we verify whole).
+    codec = heads[:, :, NODE_HEADER_BYTES + 8 :]
+    expected = np.empty_like(codec)
+    expected[:, :, 0:4] = np.frombuffer(MAGIC, np.uint8)
+    expected[:, :, 4] = positions
+    expected[:, :, 5:8] = (VERSION, k, m)
+    expected[:, :, 8:16] = np.frombuffer(payload_len.to_bytes(8, "little"), np.uint8)
+    expected[:, :, 16:24] = codec[:, :1, 16:24]  # the codec's payload hash: one per block
+    expected[:, :, 24:56] = np.frombuffer(b"".join(keys), np.uint8).reshape(blocks, 1, 32)
+    return node_ok & (codec == expected).all(axis=(1, 2))

@@ -292,9 +292,49 @@ class Codec:
         (what memory safety needs). Anything unusual returns None and the general path, which
         checks and explains every shard, decides.
         """
+        rows = self._whole_rows(shards, size, key)
+        if rows is None:
+            return None
+        data, parity, sources, fragment_len, payload_hash = rows
+        if not parity:
+            out = b"".join(data)  # type: ignore[arg-type]
+            return out if xxh3_64_digest(out) == payload_hash else None
+        filler = parity[0]  # any k-th row will do: ISA-L overwrites it
+        out = b"".join([row if row is not None else filler for row in data])
+        self._rebuild_rows(bytes_address(out), data, parity, sources, fragment_len)
+        return out if xxh3_64_digest(out) == payload_hash else None
+
+    def _decode_whole_rows_into(
+        self, shards: Sequence[ShardLike], size: int | None, key: bytes | None, window: memoryview
+    ) -> int | None:
+        """``_decode_whole_rows`` writing into ``window`` (writable, flat): the data fragments
+        are copied into their place, ISA-L rebuilds lost ones there. Returns the payload length,
+        or None (``window`` then holds unverified bytes) to take the general path."""
+        rows = self._whole_rows(shards, size, key)
+        if rows is None:
+            return None
+        data, parity, sources, fragment_len, payload_hash = rows
+        length = self.k * fragment_len
+        if len(window) < length:
+            return None
+        for row, fragment in enumerate(data):
+            if fragment is not None:
+                window[row * fragment_len : (row + 1) * fragment_len] = fragment
+        if parity:
+            base = ctypes.addressof(ctypes.c_char.from_buffer(window))
+            self._rebuild_rows(base, data, parity, sources, fragment_len)
+        return length if xxh3_64_digest(window[:length]) == payload_hash else None
+
+    def _whole_rows(
+        self, shards: Sequence[ShardLike], size: int | None, key: bytes | None
+    ) -> tuple[list[memoryview | None], list[memoryview], list[int], int, bytes] | None:
+        """The first k shards present, for the whole-rows fast path: (data fragments with None
+        where lost, parity fragments, their stripe indices, fragment length, payload hash of
+        the first shard's checked header), or None when the case is not the usual one."""
         k = self.k
         if (
-            k < 2  # join of one piece may return that very object: never write into it
+            self._isal is None
+            or k < 2  # join of one piece may return that very object: never write into it
             or len(shards) != k + self.m
             or (key is not None and type(key) is not bytes)
             or (size is not None and type(size) is not int)
@@ -328,22 +368,69 @@ class Codec:
             else:
                 parity.append(view[HEADER_BYTES:])
             if len(sources) == k:
-                break
-        else:
-            return None  # fewer than k shards: the general path names what is missing
-        if not parity:
-            out = b"".join(data)  # type: ignore[arg-type]
-            return out if xxh3_64_digest(out) == payload_hash else None
+                return data, parity, sources, fragment_len, payload_hash
+        return None  # fewer than k shards: the general path names what is missing
+
+    def rebuild_in_place(
+        self, window: object, sources: Sequence[int], parity: Sequence[object]
+    ) -> bool:
+        """Rebuild the lost data fragments of a block whose payload fills its k rows, in place.
+
+        ``window`` (writable, k equal rows) already holds the data rows among ``sources`` (k
+        distinct stripe positions, ascending); ``parity`` holds the fragments of the parity
+        positions among them, in that order. The other data rows are overwritten by ISA-L.
+        Nothing is verified: the caller checks the block against its payload hash. False when
+        this codec has no in-place decoder (no ISA-L): use ``decode`` then.
+        """
+        if self._isal is None:
+            return False
+        k = self.k
+        try:
+            view = memoryview(window).cast("B")  # type: ignore[arg-type]
+        except TypeError as error:
+            raise InvalidArgument("window", f"must be a contiguous buffer ({error})") from None
+        if view.readonly:
+            raise InvalidArgument("window", "must be writable")
+        fragment_len = len(view) // k
+        if fragment_len == 0 or len(view) != k * fragment_len:
+            raise InvalidArgument("window", f"must be k={k} equal rows, got {len(view)} bytes")
+        chosen = [int(index) for index in sources]
+        if len(chosen) != k or chosen != sorted(set(chosen)) or not 0 <= chosen[0] <= chosen[-1]:
+            raise InvalidArgument("sources", f"must be {k} distinct ascending positions")
+        if chosen[-1] >= k + self.m:
+            raise InvalidArgument("sources", f"position {chosen[-1]} is beyond k+m={k + self.m}")
+        rows = [memoryview(fragment).cast("B") for fragment in parity]  # type: ignore[arg-type]
+        if len(rows) != sum(1 for index in chosen if index >= k):
+            raise InvalidArgument("parity", "must hold one fragment per parity position")
+        if any(len(row) != fragment_len for row in rows):
+            raise InvalidArgument("parity", f"fragments must be {fragment_len} bytes")
+        if not rows:
+            return True  # every data row is at hand
+        present = set(chosen)
+        # Only which rows are present matters to the plan (they are read in place at ``base``).
+        data: list[memoryview | None] = [view if row in present else None for row in range(k)]
+        base = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        self._rebuild_rows(base, data, rows, chosen, fragment_len)
+        return True
+
+    def _rebuild_rows(
+        self,
+        base: int,
+        data: list[memoryview | None],
+        parity: list[memoryview],
+        sources: list[int],
+        fragment_len: int,
+    ) -> None:
+        """ISA-L: the lost data rows of the k data rows at ``base`` (present ones already in
+        place), from those and ``parity``."""
         assert self._isal is not None
+        k = self.k
         plan = self._plans.get(tuple(sources))
         if plan is None:
             missing = tuple([row for row in range(k) if data[row] is None])
             plan = (missing, self._decode_tables(tuple(sources), missing))
             self._plans[tuple(sources)] = plan
         missing, tables = plan
-        filler = parity[0]  # any k-th row will do: ISA-L overwrites it
-        out = b"".join([row if row is not None else filler for row in data])
-        base = bytes_address(out)
         parity_pointers, _keep = _row_pointers(parity, fragment_len)
         table = struct.pack(
             f"{k + len(missing)}P",
@@ -352,7 +439,6 @@ class Codec:
             *[base + row * fragment_len for row in missing],
         )
         self._isal.run(tables, len(missing), fragment_len, table, table[k * _POINTER_BYTES :])
-        return out if xxh3_64_digest(out) == payload_hash else None
 
     def decode_into(
         self,
@@ -371,6 +457,9 @@ class Codec:
             raise InvalidArgument("out", f"must be a contiguous buffer ({error})") from None
         if target.readonly:
             raise InvalidArgument("out", "must be a writable buffer")
+        fast = self._decode_whole_rows_into(shards, size, key, target)
+        if fast is not None:
+            return fast
         stripe = self._selector.select(shards, key, size, self._data_first, self.k)
         if len(target) < stripe.payload_len:
             raise InvalidArgument(

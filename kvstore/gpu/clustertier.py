@@ -129,7 +129,7 @@ class ClusterTier:
             fetch_seconds=0.0 if advice is None else advice.fetch_s,
             replay_seconds=0.0 if advice is None else advice.replay_s,
             lease_id=lease_id,
-            hit_block_keys=keys,
+            hit_keys=keys,
         )
 
     def release(self, lease_id: str) -> bool:

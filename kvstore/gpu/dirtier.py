@@ -144,7 +144,7 @@ class DirectoryTier:
             fetch_seconds=0.0,
             replay_seconds=0.0,
             lease_id=None,
-            hit_block_keys=tuple(keys[:hit_blocks]),
+            hit_keys=tuple(keys[:hit_blocks]),
         )
 
     def release(self, lease_id: str) -> bool:

@@ -27,6 +27,7 @@ from ray.exceptions import RayError
 
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
 from kvstore.blockstore.fanout import META, NODE, Target
+from kvstore.blockstore.localread import LocalReadGrant
 from kvstore.blockstore.meta import MetaReply, MetaShard
 from kvstore.blockstore.node import StorageNode
 from kvstore.blockstore.placement import meta_shard_of
@@ -35,8 +36,12 @@ from kvstore.blockstore.repair import HealthTracker, Repairer, RepairLoop
 from kvstore.errors import StoreError
 from kvstore.keys import BlockKey
 from kvstore.runtime.fanout import RayFanout
+from kvstore.runtime.fastcall import FastCallServer
 
 log = logging.getLogger(__name__)
+
+#: Meta shard methods that clients call over the direct socket instead of through Ray.
+FAST_META_METHODS = ("lookup_wire",)
 
 
 def node_actor_name(deployment: str, node_id: int) -> str:
@@ -115,6 +120,9 @@ class StorageNodeActor:
     def get(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
         return self._node.get(keys)
 
+    def local_read_grant(self) -> LocalReadGrant | None:
+        return self._node.local_read_grant()
+
     def delete(self, keys: Sequence[bytes], not_after: float | None = None) -> int:
         return self._node.delete(keys, not_after)
 
@@ -180,7 +188,15 @@ class MetaShardActor:
         self._node_ids = list(node_ids)
         self._lock = threading.Lock()
         self._rebuild_report: dict[str, object] = {}
+        # Lookups, the hot path, also come over a direct socket (see kvstore.runtime.fastcall).
+        self._fast = FastCallServer(
+            self._meta, FAST_META_METHODS, self._lock, ray.util.get_node_ip_address()
+        )
         self._start_rebuild()
+
+    def fast_endpoint(self) -> tuple[str, int, bytes]:
+        """Where (and with which key) the direct socket of this incarnation listens."""
+        return self._fast.endpoint
 
     def _start_rebuild(self) -> None:
         with self._lock:
@@ -255,9 +271,17 @@ class MetaShardActor:
         down_nodes: Sequence[int] = (),
         traffic_class: str | None = None,
         lease_seconds: float | None = None,
+        release_keys: np.ndarray | None = None,
+        release_rows: np.ndarray | None = None,
     ) -> MetaReply:
         with self._lock:
-            return self._meta.lookup(keys, down_nodes, traffic_class, lease_seconds)
+            return self._meta.lookup(
+                keys, down_nodes, traffic_class, lease_seconds, release_keys, release_rows
+            )
+
+    def lookup_wire(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
+        with self._lock:
+            return self._meta.lookup_wire(request)
 
     def locate(
         self,
@@ -269,9 +293,9 @@ class MetaShardActor:
         with self._lock:
             return self._meta.locate(keys, down_nodes, traffic_class, lease_until)
 
-    def release(self, keys: Sequence[bytes]) -> int:
+    def release(self, keys: Sequence[bytes] | np.ndarray, rows: np.ndarray | None = None) -> int:
         with self._lock:
-            return self._meta.release(keys)
+            return self._meta.release(keys, rows)
 
     def mark_nodes(self, down: Sequence[int] = (), up: Sequence[int] = ()) -> list[int]:
         with self._lock:

@@ -21,8 +21,10 @@ from ray.exceptions import RayError
 from kvstore.blockstore.client import BlockStoreClient
 from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.blockstore.fanout import META, NODE, Target
+from kvstore.blockstore.localread import open_live, wait_unlocked
 from kvstore.errors import StoreError
 from kvstore.runtime.blockstore_actors import (
+    FAST_META_METHODS,
     MetaShardActor,
     RepairActor,
     StorageNodeActor,
@@ -39,6 +41,7 @@ from kvstore.runtime.fanout import RayFanout
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 120.0
+_KILL_TIMEOUT_S = 30.0
 
 
 def node_data_dir(config: BlockStoreConfig, node_id: int) -> str:
@@ -58,10 +61,17 @@ class BlockStoreHandles:
     def fanout(self) -> RayFanout:
         handles: dict[Target, Any] = {(NODE, i): h for i, h in self.nodes.items()}
         handles.update({(META, i): h for i, h in enumerate(self.metas)})
-        return RayFanout(handles, resolve=name_resolver(self.config.deployment))
+        return RayFanout(
+            handles, resolve=name_resolver(self.config.deployment), fast_methods=FAST_META_METHODS
+        )
 
-    def client(self) -> BlockStoreClient:
-        return BlockStoreClient(self.config, self.fanout(), node_ids=sorted(self.nodes))
+    def client(self, local_reads: bool | None = None) -> BlockStoreClient:
+        """A client of this deployment; ``local_reads`` overrides the config's switch (False:
+        every read over Ray, as from a machine that hosts no storage node)."""
+        config = self.config
+        if local_reads is not None:
+            config = config.with_overrides(local_reads=local_reads)
+        return BlockStoreClient(config, self.fanout(), node_ids=sorted(self.nodes))
 
     @classmethod
     def from_names(cls, config: BlockStoreConfig) -> BlockStoreHandles:
@@ -93,8 +103,15 @@ class BlockStoreHandles:
             time.sleep(0.05)
 
     def kill_node(self, node_id: int, restart: bool) -> None:
-        """Crash a storage node: ``restart=True`` lets Ray start it again on its data dir."""
+        """Crash a storage node: ``restart=True`` lets Ray start it again on its data dir.
+
+        Where its data dir is visible from here, returns only once its process is gone (its
+        ``LIVE`` lock released): ``ray.kill`` is asynchronous, and until then clients on this
+        machine could still read its files directly (``localread.py``)."""
+        live = open_live(node_data_dir(self.config, node_id))
         ray.kill(self.nodes[node_id], no_restart=not restart)
+        if live is not None and not wait_unlocked(live, _KILL_TIMEOUT_S):
+            log.warning("storage node %d still holds its data dir after ray.kill", node_id)
 
     def kill_meta(self, shard_id: int, restart: bool = True) -> None:
         ray.kill(self.metas[shard_id], no_restart=not restart)

@@ -6,6 +6,10 @@ machine not yet declared dead), ``GetTimeoutError``, ``ActorUnschedulableError``
 ``RayActorError``), ``RayTaskError`` (the actor method raised), ``ObjectLostError``. Nothing
 from Ray escapes the block client.
 
+Methods named in ``fast_methods`` (a meta shard's ``lookup_wire``: the hit path) go over the
+actor's direct socket instead (``kvstore.runtime.fastcall``) when it offers one; a broken socket
+is retried once through Ray, so callers see the same outcomes either way.
+
 Waiting uses ``ray.wait`` on the outstanding calls, never a blocking ``ray.get`` on the oldest
 one while others are in flight (MEASURED.md: that stalled to ~4 calls/s).
 """
@@ -13,7 +17,9 @@ one while others are in flight (MEASURED.md: that stalled to ~4 calls/s).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Mapping
+from multiprocessing.connection import Connection
 from typing import Any
 
 import ray
@@ -21,8 +27,12 @@ from ray.exceptions import ActorDiedError, RayError
 
 from kvstore.blockstore.fanout import Target
 from kvstore.errors import NodeDead, NodeUnavailable
+from kvstore.runtime.fastcall import FastChannel, FastChannels, RemoteError, wait_ready
 
 log = logging.getLogger(__name__)
+
+#: A socket call whose connection broke is retried once through Ray, waiting at most this long.
+_RETRY_TIMEOUT_S = 5.0
 
 
 class RayFanout:
@@ -30,11 +40,16 @@ class RayFanout:
         self,
         handles: Mapping[Target, Any],
         resolve: Callable[[Target], Any] | None = None,
+        fast_methods: Collection[str] = (),
     ) -> None:
         """``handles``: actor handle per target. ``resolve``: optional way to get a handle for a
-        target not in ``handles`` (e.g. a node added later), by actor name."""
+        target not in ``handles`` (e.g. a node added later), by actor name. ``fast_methods``:
+        methods called over the actor's direct socket (``kvstore.runtime.fastcall``) when it
+        offers one (``fast_endpoint()``); through Ray otherwise."""
         self._handles = dict(handles)
         self._resolve = resolve
+        self._fast_methods = frozenset(fast_methods)
+        self._fast = FastChannels()
 
     def handle(self, target: Target) -> Any:
         handle = self._handles.get(target)
@@ -44,7 +59,32 @@ class RayFanout:
                 self._handles[target] = handle
         return handle
 
+    # --- the direct socket path ----------------------------------------------------------
+
+    def _submit_fast(self, target: Target, handle: Any, method: str, args: Any) -> Any:
+        channel = self._fast.get(target, handle)
+        if channel is None:
+            return None
+        try:
+            return _FastTicket(channel.start(method, args), channel, target, method, args)
+        except (OSError, EOFError) as error:
+            log.debug("fast call to %s failed to start: %s", target, error)
+            self._fast.forget(target, channel)
+            return None  # the caller goes through Ray this time
+
+    # --- Fanout ----------------------------------------------------------------------------
+
     def submit(self, target: Target, method: str, *args: Any) -> Any:
+        handle = self.handle(target)
+        if handle is None:
+            return _Failed(target, NodeUnavailable(f"no actor for {target}"))
+        if method in self._fast_methods:
+            ticket = self._submit_fast(target, handle, method, args)
+            if ticket is not None:
+                return ticket
+        return self.submit_via_ray(target, method, *args)
+
+    def submit_via_ray(self, target: Target, method: str, *args: Any) -> Any:
         handle = self.handle(target)
         if handle is None:
             return _Failed(target, NodeUnavailable(f"no actor for {target}"))
@@ -60,6 +100,11 @@ class RayFanout:
         failed = [ticket for ticket in tickets if isinstance(ticket, _Failed)]
         if failed:
             return failed
+        fast = [ticket for ticket in tickets if isinstance(ticket, _FastTicket)]
+        if fast:
+            if len(fast) < len(tickets):
+                return self._wait_mixed(tickets, timeout, all_of)
+            return self._wait_fast(fast, timeout, all_of)
         by_ref = {ticket.ref: ticket for ticket in tickets}
         if not by_ref:
             return []
@@ -71,9 +116,54 @@ class RayFanout:
             ready.extend(more)
         return [by_ref[ref] for ref in ready]
 
+    def _wait_fast(self, tickets: list[_FastTicket], timeout: float, all_of: bool) -> list[Any]:
+        by_conn = {ticket.conn: ticket for ticket in tickets}
+        deadline = time.monotonic() + max(0.0, timeout)
+        ready = wait_ready(list(by_conn), timeout)
+        while all_of and len(ready) < len(by_conn):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            rest = [conn for conn in by_conn if conn not in ready]
+            ready.extend(wait_ready(rest, left))
+        return [by_conn[conn] for conn in ready]
+
+    def _wait_mixed(self, tickets: Collection[Any], timeout: float, all_of: bool) -> list[Any]:
+        """Socket and Ray calls at once (rare: a fallback during an actor restart): poll both."""
+        fast = [ticket for ticket in tickets if isinstance(ticket, _FastTicket)]
+        slow = [ticket for ticket in tickets if not isinstance(ticket, _FastTicket)]
+        deadline = time.monotonic() + max(0.0, timeout)
+        ready: list[Any] = []
+        while True:
+            ready.extend(self._wait_fast(fast, 0.0, False))
+            ready.extend(self.wait(slow, 0.0, False))
+            left = deadline - time.monotonic()
+            if left <= 0 or (ready and not all_of) or len(ready) == len(tickets):
+                return ready
+            fast = [ticket for ticket in fast if ticket not in ready]
+            slow = [ticket for ticket in slow if ticket not in ready]
+            time.sleep(min(left, 0.001))
+
     def result(self, ticket: Any) -> Any:
         if isinstance(ticket, _Failed):
             raise ticket.error
+        if isinstance(ticket, _FastTicket):
+            try:
+                return ticket.channel.finish(ticket.conn)
+            except RemoteError as error:
+                raise NodeUnavailable(f"{ticket.target}: {error}") from None
+            except (OSError, EOFError) as error:
+                # The socket went stale (the actor restarted on a new port, or died): ask once
+                # more through Ray, which knows whether a replacement is up.
+                log.debug("fast call to %s lost its connection: %r", ticket.target, error)
+                self._fast.forget(ticket.target, ticket.channel)
+                retry = self.submit_via_ray(ticket.target, ticket.method, *ticket.args)
+                if not isinstance(retry, _Ticket):
+                    return self.result(retry)
+                try:
+                    return ray.get(retry.ref, timeout=_RETRY_TIMEOUT_S)
+                except RayError as again:
+                    raise NodeUnavailable(f"{ticket.target}: {_short(again)}") from None
         target = ticket.target
         try:
             return ray.get(ticket.ref, timeout=0.5)
@@ -93,6 +183,19 @@ class _Ticket:
     def __init__(self, ref: Any, target: Target) -> None:
         self.ref = ref
         self.target = target
+
+
+class _FastTicket:
+    __slots__ = ("conn", "channel", "target", "method", "args")
+
+    def __init__(
+        self, conn: Connection, channel: FastChannel, target: Target, method: str, args: Any
+    ) -> None:
+        self.conn = conn
+        self.channel = channel
+        self.target = target
+        self.method = method
+        self.args = args
 
 
 class _Failed:

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument, StoreError
 from kvstore.hitplan import MODES, STANDARD, HasHitGeometry, HitPlan, hit_cap, plan_hit
-from kvstore.keys import BlockKey, block_keys, check_keys
+from kvstore.keys import BlockKey, block_keys, key_words
 from kvstore.swa.advice import Advice, FetchReplayAdvisor
 from kvstore.swa.directory import StoreRef
 
@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 class BlockLookup(Protocol):
     """The block tier as the hit query needs it."""
 
-    def lookup(self, keys: Sequence[BlockKey]) -> tuple[int, Any]:
-        """(number of leading consecutive committed+readable blocks, lease on them)."""
+    def lookup(self, keys: np.ndarray) -> tuple[int, Any]:
+        """(number of leading consecutive committed+readable blocks, lease on them). ``keys``
+        come as (n, 4) uint64 words (``kvstore.keys.key_words``; ``words_to_keys`` inverts)."""
         ...
 
     def release(self, lease: Any) -> None: ...
@@ -64,7 +65,7 @@ class BlockClientLookup:
         self._client = client
         self._traffic_class = traffic_class
 
-    def lookup(self, keys: Sequence[BlockKey]) -> tuple[int, Any]:
+    def lookup(self, keys: np.ndarray) -> tuple[int, Any]:
         result = self._client.lookup(keys, self._traffic_class)
         return int(result.hit_blocks), result.lease
 
@@ -146,14 +147,14 @@ class HitQuery:
             raise
 
     def _plan(
-        self, keys: list[BlockKey], run: int, lease: Any, prompt_len: int, mode: str
+        self, keys: np.ndarray, run: int, lease: Any, prompt_len: int, mode: str
     ) -> HitResult:
         block = self._geometry.block_tokens
         l1_plan = plan_hit(prompt_len, run * block, None, mode=mode, geometry=self._geometry)
         position = l1_plan.swa_position
         if position is None:
             return HitResult(l1_plan, None, None, None, None, run, lease)
-        swa_key = keys[position // block - 1]
+        swa_key = BlockKey(keys[position // block - 1].tobytes())
         owner = self._locate(swa_key)
         if owner is None:
             return HitResult(l1_plan, swa_key, None, None, None, run, lease)
@@ -172,7 +173,8 @@ class HitQuery:
         keys_or_tokens: Sequence[BlockKey] | Sequence[int] | np.ndarray,
         prompt_len: int,
         within_cap: int,
-    ) -> list[BlockKey]:
+    ) -> np.ndarray:
+        """The keys to look up, as (n, 4) uint64 words (``kvstore.keys.key_words``)."""
         block = self._geometry.block_tokens
         if _looks_like_tokens(keys_or_tokens):
             tokens = np.asarray(keys_or_tokens)
@@ -181,18 +183,19 @@ class HitQuery:
                     "token_ids", f"must hold exactly prompt_len={prompt_len} ids, got {tokens.size}"
                 )
             # Blocks past the cap can never hit: do not hash them.
-            return block_keys(self._fingerprint, tokens[: within_cap * block])
-        keys = check_keys(keys_or_tokens, "block_keys")
+            return key_words(block_keys(self._fingerprint, tokens[: within_cap * block]))
+        keys = key_words(keys_or_tokens, "block_keys")
         full_blocks = prompt_len // block
-        if len(keys) > full_blocks:
+        if keys.shape[0] > full_blocks:
             raise InvalidArgument(
                 "block_keys",
-                f"{len(keys)} keys for a prompt of {prompt_len} tokens ({full_blocks} full blocks)",
+                f"{keys.shape[0]} keys for a prompt of {prompt_len} tokens "
+                f"({full_blocks} full blocks)",
             )
         return keys[:within_cap]
 
-    def _lookup_blocks(self, keys: list[BlockKey]) -> tuple[int, Any]:
-        if not keys:
+    def _lookup_blocks(self, keys: np.ndarray) -> tuple[int, Any]:
+        if not keys.shape[0]:
             return 0, None
         try:
             run, lease = self._blocks.lookup(keys)
@@ -211,8 +214,8 @@ class HitQuery:
 
 
 def _looks_like_tokens(value: object) -> bool:
-    if isinstance(value, np.ndarray):
-        return bool(np.issubdtype(value.dtype, np.integer))
+    if isinstance(value, np.ndarray):  # token ids are 1-D; keys as words are (n, 4) / (n, 32)
+        return value.ndim == 1 and bool(np.issubdtype(value.dtype, np.integer))
     if isinstance(value, str | bytes | bytearray):
         raise InvalidArgument(
             "keys_or_tokens", f"must be block keys or token ids, got {type(value).__name__}"

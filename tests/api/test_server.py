@@ -19,6 +19,7 @@ from kvstore.api.client import KVStoreClient
 from kvstore.api.server import SERVICE_NAME, ServerOptions
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.errors import InvalidArgument
 from kvstore.keys import block_keys
 from kvstore.runtime.service import RunningService, embedded_service
 
@@ -204,12 +205,49 @@ def test_bad_swa_and_block_fields(stub: pb_grpc.KVStoreStub, running: RunningSer
             "keys[0]",
         ),
         (lambda: stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=""), metadata=AUTH), "lease_id"),
+        (
+            lambda: stub.QueryHit(
+                pb.QueryHitRequest(block_keys_packed=bytes(32 * 3 + 5), prompt_len=1000),
+                metadata=AUTH,
+            ),
+            "block_keys_packed",
+        ),
+        (
+            lambda: stub.QueryHit(
+                pb.QueryHitRequest(
+                    block_keys=[bytes(32)], block_keys_packed=bytes(32), prompt_len=1000
+                ),
+                metadata=AUTH,
+            ),
+            "block_keys_packed",
+        ),
     ]
     for call, field in cases:
         with pytest.raises(grpc.RpcError) as error:
             call()
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
         assert field in (error.value.details() or ""), (field, error.value.details())
+
+
+def test_keys_sent_packed_or_one_by_one_get_the_same_plan_in_the_same_form(
+    running: RunningService, client: KVStoreClient, stub: pb_grpc.KVStoreStub
+) -> None:
+    fingerprint = running.backend.model_fingerprint
+    tokens = np.random.default_rng(23).integers(0, 128_000, 128 * 6 + 140, dtype=np.uint32)
+    keys = block_keys(fingerprint, tokens)
+    client.put_blocks(keys[:4], _payloads(keys[:4], 5_000), "chatbot")
+    common = {"prompt_len": int(tokens.size), "traffic_class": "chatbot"}
+    packed = stub.QueryHit(
+        pb.QueryHitRequest(block_keys_packed=b"".join(keys), **common), metadata=AUTH
+    )
+    one_by_one = stub.QueryHit(pb.QueryHitRequest(block_keys=keys, **common), metadata=AUTH)
+    assert packed.plan == one_by_one.plan and packed.plan.block_hit_tokens == 4 * 128
+    assert packed.hit_block_keys_packed == b"".join(keys[:4]) and not packed.hit_block_keys
+    assert list(one_by_one.hit_block_keys) == keys[:4] and not one_by_one.hit_block_keys_packed
+    answer = client.query_hit(block_keys=keys, **common)  # the Python client packs
+    assert list(answer.hit_block_keys) == keys[:4]
+    with pytest.raises(InvalidArgument, match=r"block_keys\[2\]"):
+        client.query_hit(block_keys=[keys[0], keys[1], keys[2][:31]], **common)
 
 
 def test_unknown_lease_is_not_found(stub: pb_grpc.KVStoreStub) -> None:

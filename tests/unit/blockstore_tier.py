@@ -22,6 +22,9 @@ class Tier:
             "node": StorageNodeConfig(fsync="never"),
             "hedge_after_s": 0.02,
             "call_timeout_s": 0.3,
+            # Dead and hung nodes here are fanout switches that a direct disk read would not
+            # see; the short-circuit path has its own tests (``test_blockstore_localread.py``).
+            "local_reads": False,
         }
         settings.update(overrides)
         self.config = BlockStoreConfig(**settings)  # type: ignore[arg-type]

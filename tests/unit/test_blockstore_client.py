@@ -13,6 +13,7 @@ from blockstore_tier import Tier
 
 from kvstore.blockstore.fanout import META, NODE
 from kvstore.blockstore.placement import place
+from kvstore.blockstore.records import Lease
 from kvstore.blockstore.shardfile import payload_hash
 from kvstore.ec import Codec
 from kvstore.errors import ConfigError, InvalidArgument
@@ -59,7 +60,14 @@ def test_lookup_is_the_longest_consecutive_prefix_and_leases_only_it(tier: Tier)
     tier.client.put_blocks([keys[i] for i in (0, 1, 2, 4, 5)], [_payload(i) for i in range(5)])
     found = tier.client.lookup(keys)
     assert found.hit_blocks == 3 and found.keys == keys[:3]
-    leased = {
+    tier.client.flush_releases()  # blocks beyond the prefix are given back without waiting
+    assert _leased(tier) == set(keys[:3])  # blocks 4, 5 were leased by their shard, then released
+    assert tier.client.lookup([_key(99)] + keys).hit_blocks == 0
+    assert tier.client.get_blocks([_key(99)]) == [None]
+
+
+def _leased(tier: Tier) -> set[bytes]:
+    return {
         bytes(k)
         for m in tier.metas.values()
         for k, count in zip(
@@ -69,9 +77,52 @@ def test_lookup_is_the_longest_consecutive_prefix_and_leases_only_it(tier: Tier)
         )
         if count
     }
-    assert leased == set(keys[:3])  # blocks 4, 5 were leased by their shard, then released
-    assert tier.client.lookup([_key(99)] + keys).hit_blocks == 0
-    assert tier.client.get_blocks([_key(99)]) == [None]
+
+
+def test_a_release_without_waiting_rides_on_the_next_lookup(tmp_path: Path) -> None:
+    tier = Tier(tmp_path, release_batch_s=1.0)  # the flusher waits long: the lookup comes first
+    keys = [_key(i) for i in range(40)]
+    tier.client.put_blocks(keys, [_payload(i, 500) for i in range(40)])
+    first = tier.client.lookup(keys[:20])
+    assert _leased(tier) == set(keys[:20])
+    tier.client.release_many([first.lease], wait=False)
+    assert _leased(tier) == set(keys[:20])  # deferred, not sent yet
+    tier.fanout.calls.clear()
+    second = tier.client.lookup(keys[20:])
+    assert _leased(tier) == set(keys[20:])  # the first lease went back with this lookup
+    assert all(method == "lookup_wire" for _, method in tier.fanout.calls), tier.fanout.calls
+    tier.client.release(second.lease)  # waited for: sent at once
+    assert _leased(tier) == set()
+
+
+def test_a_deferred_release_is_sent_by_itself_when_no_lookup_comes(tmp_path: Path) -> None:
+    tier = Tier(tmp_path, release_batch_s=0.01)
+    keys = [_key(i) for i in range(12)]
+    tier.client.put_blocks(keys, [_payload(i, 500) for i in range(12)])
+    tier.client.release_many([tier.client.lookup(keys).lease], wait=False)
+    deadline = time.monotonic() + 10
+    while _leased(tier) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _leased(tier) == set()
+    assert any(method == "release" for _, method in tier.fanout.calls)
+
+
+def test_a_release_by_stale_rows_finds_its_keys_again(tier: Tier) -> None:
+    keys = [_key(i) for i in range(30)]
+    tier.client.put_blocks(keys, [_payload(i, 500) for i in range(30)])
+    lease = tier.client.lookup(keys).lease
+    assert lease is not None and lease.rows is not None
+    # Rows that no longer name these keys (as after a meta shard restart): all row 0.
+    shuffled = Lease(
+        lease.lease_id,
+        lease.until,
+        lease.key_words,
+        lease.placements,
+        lease.sizes,
+        np.zeros_like(lease.rows),
+    )
+    tier.client.release(shuffled)
+    assert _leased(tier) == set()
 
 
 def test_bytes_and_arrays_of_any_dtype_are_payloads(tier: Tier) -> None:

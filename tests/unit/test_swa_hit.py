@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.errors import InvalidArgument, StoreError
 from kvstore.geometry import GeometryConfig
-from kvstore.keys import BlockKey, block_keys
+from kvstore.keys import BlockKey, block_keys, words_to_keys
 from kvstore.swa.advice import FetchReplayAdvisor
 from kvstore.swa.config import SWAConfig
 from kvstore.swa.directory import StoreRef
@@ -37,7 +37,8 @@ class Blocks:
     released: list[Lease] = field(default_factory=list)
     fail: bool = False
 
-    def lookup(self, keys: Sequence[BlockKey]) -> tuple[int, Lease]:
+    def lookup(self, keys: np.ndarray) -> tuple[int, Lease]:
+        keys = words_to_keys(keys)  # the hit query hands keys over as (n, 4) words
         self.asked.append(len(keys))
         if self.fail:
             raise StoreError("meta shard unreachable")

@@ -26,20 +26,22 @@ ADVICE_FETCH: Advice
 ADVICE_REPLAY: Advice
 
 class QueryHitRequest(_message.Message):
-    __slots__ = ("token_ids", "block_keys", "prompt_len", "mode", "traffic_class", "take_lease")
+    __slots__ = ("token_ids", "block_keys", "prompt_len", "mode", "traffic_class", "take_lease", "block_keys_packed")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     TAKE_LEASE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     prompt_len: int
     mode: HitMode
     traffic_class: str
     take_lease: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_len: _Optional[int] = ..., mode: _Optional[_Union[HitMode, str]] = ..., traffic_class: _Optional[str] = ..., take_lease: _Optional[bool] = ...) -> None: ...
+    block_keys_packed: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_len: _Optional[int] = ..., mode: _Optional[_Union[HitMode, str]] = ..., traffic_class: _Optional[str] = ..., take_lease: _Optional[bool] = ..., block_keys_packed: _Optional[bytes] = ...) -> None: ...
 
 class HitPlan(_message.Message):
     __slots__ = ("prompt_len", "cap", "block_hit_tokens", "hit_tokens", "swa_hit", "swa_position", "swa_owner", "replay_start", "replay_tokens", "compute_from", "store_at")
@@ -68,20 +70,22 @@ class HitPlan(_message.Message):
     def __init__(self, prompt_len: _Optional[int] = ..., cap: _Optional[int] = ..., block_hit_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., swa_hit: _Optional[bool] = ..., swa_position: _Optional[int] = ..., swa_owner: _Optional[str] = ..., replay_start: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., compute_from: _Optional[int] = ..., store_at: _Optional[int] = ...) -> None: ...
 
 class QueryHitResponse(_message.Message):
-    __slots__ = ("plan", "advice", "fetch_seconds", "replay_seconds", "lease_id", "hit_block_keys")
+    __slots__ = ("plan", "advice", "fetch_seconds", "replay_seconds", "lease_id", "hit_block_keys", "hit_block_keys_packed")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     ADVICE_FIELD_NUMBER: _ClassVar[int]
     FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCK_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     plan: HitPlan
     advice: Advice
     fetch_seconds: float
     replay_seconds: float
     lease_id: str
     hit_block_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, plan: _Optional[_Union[HitPlan, _Mapping]] = ..., advice: _Optional[_Union[Advice, str]] = ..., fetch_seconds: _Optional[float] = ..., replay_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ..., hit_block_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    hit_block_keys_packed: bytes
+    def __init__(self, plan: _Optional[_Union[HitPlan, _Mapping]] = ..., advice: _Optional[_Union[Advice, str]] = ..., fetch_seconds: _Optional[float] = ..., replay_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ..., hit_block_keys: _Optional[_Iterable[bytes]] = ..., hit_block_keys_packed: _Optional[bytes] = ...) -> None: ...
 
 class Block(_message.Message):
     __slots__ = ("key", "payload")

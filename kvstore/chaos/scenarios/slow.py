@@ -56,7 +56,9 @@ def slow_node(tier: ChaosTier) -> ScenarioResult:
     rng = random.Random(config.seed + 10)
     keys = tier.put_fresh(32)
     victim = rng.choice(sorted(tier.handles.nodes))
-    client = tier.handles.client()
+    # A reader on a machine without storage nodes: every shard over Ray (a co-located one would
+    # read the slow node's files from disk, past the delay this scenario puts in its replies).
+    client = tier.handles.client(local_reads=False)
     tier.pause_repair(True)  # the swap is a restart; the repair loop need not react to it
     try:
         slow = make_slow(tier, victim, 0.0)
