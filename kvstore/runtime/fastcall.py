@@ -69,7 +69,19 @@ class FastCallServer:
         address = self._socket.getsockname()
         self.endpoint: Endpoint = (str(address[0]), int(address[1]), self._authkey)
         self._closed = False
+        # A Ray worker is a child of its node's raylet. Once the raylet is gone (the machine was
+        # removed or declared dead) Ray routes no call here any more, but this process may
+        # linger a while; its socket must not keep answering for a dead actor.
+        self._parent = os.getppid()
         threading.Thread(target=self._accept_loop, name="fastcall-accept", daemon=True).start()
+
+    def _orphaned(self) -> bool:
+        if os.getppid() == self._parent:
+            return False
+        if not self._closed:
+            log.warning("fastcall: the node's raylet is gone; no longer serving")
+            self.close()
+        return True
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -105,6 +117,8 @@ class FastCallServer:
                 except Exception as error:  # an undecodable message: drop this peer
                     log.warning("fastcall: bad message: %r", error)
                     return
+                if self._orphaned():
+                    return  # the caller sees the connection close and asks Ray instead
                 if method not in self._methods:
                     reply: tuple[bool, Any] = (False, f"no fast method {method!r}")
                 else:

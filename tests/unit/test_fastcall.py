@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import socket
 import threading
 from typing import Any
@@ -110,8 +112,15 @@ def test_concurrent_callers_each_get_their_own_answer(served) -> None:
 def _serve_in_child(ready: Any) -> None:
     lock = threading.Lock()
     server = FastCallServer(Target(lock), ("double",), lock)
-    ready.send(server.endpoint)
+    ready.send((server.endpoint, os.getpid()))
     threading.Event().wait()  # serve until killed
+
+
+def _serve_in_orphan(ready: Any) -> None:
+    """Like a Ray worker whose raylet dies: the server's parent exits, the server lives on."""
+    inner = multiprocessing.get_context("fork").Process(target=_serve_in_child, args=(ready,))
+    inner.start()
+    os._exit(0)
 
 
 def test_a_dead_server_fails_the_call_instead_of_hanging() -> None:
@@ -120,7 +129,8 @@ def test_a_dead_server_fails_the_call_instead_of_hanging() -> None:
     child = context.Process(target=_serve_in_child, args=(theirs,), daemon=True)
     child.start()
     try:
-        channel = FastChannel(mine.recv())
+        endpoint, _pid = mine.recv()
+        channel = FastChannel(endpoint)
         assert _call(channel, "double", np.ones(1))[0] == 2  # type: ignore[index]
     finally:
         child.kill()
@@ -129,3 +139,18 @@ def test_a_dead_server_fails_the_call_instead_of_hanging() -> None:
         _call(channel, "double", np.ones(1))
     with pytest.raises(OSError):  # and a new one cannot connect
         _call(channel, "double", np.ones(1))
+
+
+def test_a_server_whose_parent_died_stops_answering() -> None:
+    context = multiprocessing.get_context("fork")
+    mine, theirs = context.Pipe()
+    parent = context.Process(target=_serve_in_orphan, args=(theirs,))
+    parent.start()
+    endpoint, pid = mine.recv()
+    parent.join()  # the "raylet" is gone; the server process is still running
+    try:
+        channel = FastChannel(endpoint)
+        with pytest.raises((OSError, EOFError)):  # a zombie actor never answers
+            _call(channel, "double", np.ones(1))
+    finally:
+        os.kill(pid, signal.SIGKILL)
