@@ -95,14 +95,9 @@ class BlockRecords:
         return int(self.rows.size)
 
 
-def keys_to_array(keys: Sequence[bytes] | np.ndarray, argument: str = "keys") -> np.ndarray:
-    """Keys as an (n, 4) uint64 array, the key column's format (``kvstore.keys.key_words``)."""
-    return key_words(keys, argument)
-
-
-def array_to_keys(array: np.ndarray) -> list[BlockKey]:
-    """The inverse of ``keys_to_array``: (n, 4) uint64 -> list of 32-byte keys."""
-    return words_to_keys(array)
+#: Keys <-> the key column's (n, 4) uint64 format (``kvstore.keys``), under the index's names.
+keys_to_array = key_words
+array_to_keys = words_to_keys
 
 
 def _claim(table: np.ndarray, at: np.ndarray, candidates: np.ndarray) -> np.ndarray:
