@@ -221,34 +221,46 @@ class FastChannel:
 
 
 class FastChannels:
-    """Channels to many actors, by target name: an actor's endpoint is asked of it through Ray
-    (``fast_endpoint()``) on first use and again after its channel failed; a target without
-    one (or not answering) goes through Ray for ``retry_s`` before it is asked again."""
+    """Channels to many actors, by target name. Never blocks: the first call to a target (and
+    the first after its channel failed) goes through Ray while the actor is asked, through Ray
+    too, for its endpoint (``fast_endpoint()``); later calls use the socket. A target without
+    one (or not answering) is asked again after ``retry_s``."""
 
-    def __init__(self, timeout_s: float = 2.0, retry_s: float = 1.0) -> None:
-        self._timeout = timeout_s
+    def __init__(self, retry_s: float = 1.0) -> None:
         self._retry = retry_s
         self._channels: dict[Hashable, FastChannel] = {}
+        self._asking: dict[Hashable, Any] = {}  # target -> ObjectRef of fast_endpoint()
         self._none_until: dict[Hashable, float] = {}
         self._lock = threading.Lock()
 
     def get(self, target: Hashable, handle: Any) -> FastChannel | None:
+        """The target's channel, or None: call it through Ray this time."""
         with self._lock:
             channel = self._channels.get(target)
             if channel is not None:
                 return channel
-            if self._none_until.get(target, 0.0) > time.monotonic():
+            asking = self._asking.get(target)
+            if asking is None:
+                if self._none_until.get(target, 0.0) <= time.monotonic():
+                    try:
+                        self._asking[target] = handle.fast_endpoint.remote()
+                    except (RayError, AttributeError) as error:
+                        self._none_until[target] = time.monotonic() + self._retry
+                        log.debug("no fast path to %s: %s", target, error)
                 return None
+        ready, _ = ray.wait([asking], timeout=0)
+        if not ready:
+            return None
         try:
-            endpoint = ray.get(handle.fast_endpoint.remote(), timeout=self._timeout)
-        except (RayError, AttributeError) as error:
+            host, port, authkey = ray.get(asking, timeout=0)
+        except (RayError, TypeError, ValueError) as error:
             log.debug("no fast path to %s: %s", target, error)
-            endpoint = None
-        with self._lock:
-            if endpoint is None:
+            with self._lock:
+                self._asking.pop(target, None)
                 self._none_until[target] = time.monotonic() + self._retry
-                return None
-            host, port, authkey = endpoint
+            return None
+        with self._lock:
+            self._asking.pop(target, None)
             return self._channels.setdefault(target, FastChannel((host, port, authkey)))
 
     def forget(self, target: Hashable, channel: FastChannel) -> None:
