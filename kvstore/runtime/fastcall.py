@@ -3,9 +3,8 @@
 Ray stays the control plane (placement, restarts, names, every other call), but a Ray actor
 call cost ~1.5 ms of CPU on this kind of machine, caller and actor together (submit, task
 dispatch, serialisation, output store; measured while profiling QueryHit), and a QueryHit makes
-one per meta shard and one per directory shard. The calls on the hit path (a meta shard's
-``lookup_wire``, an entrypoint's ``lookup``) go instead over a plain socket to a thread in the
-actor's process:
+one per meta shard. The calls on the hit path (a meta shard's ``lookup_wire``) go instead over a
+plain socket to a thread in the actor's process:
 ``multiprocessing.connection`` (length-prefixed pickles), HMAC-authenticated with a key the actor
 makes at start and hands out only through Ray (a nonce-challenge handshake: the key never crosses
 the wire). A round trip costs tens of microseconds.

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,13 +32,6 @@ from kvstore.clock import SystemClock
 from kvstore.errors import InvalidArgument, StateRejected, StoreError
 from kvstore.keys import BlockKey
 from kvstore.runtime.cluster import pin_to_node
-from kvstore.runtime.fastcall import (
-    FastCallServer,
-    FastChannel,
-    FastChannels,
-    RemoteError,
-    wait_ready,
-)
 from kvstore.swa.agent import StoreAgent
 from kvstore.swa.config import SWAConfig
 from kvstore.swa.directory import (
@@ -96,29 +88,17 @@ class SWAEntrypointActor:
 
     def __init__(self, shard_id: str, owner_timeout_s: float) -> None:
         self._shard = DirectoryShard(shard_id, owner_timeout_s=owner_timeout_s, clock=SystemClock())
-        # Lookups (a hit query's second round) also come over a direct socket, served by
-        # another thread: the lock keeps the shard single-threaded.
-        self._lock = threading.Lock()
-        self._fast = FastCallServer(
-            self._shard, ("lookup",), self._lock, ray.util.get_node_ip_address()
-        )
-
-    def fast_endpoint(self) -> tuple[str, int, bytes]:
-        return self._fast.endpoint
 
     def sync(self, request: SyncRequest) -> SyncReply:
-        with self._lock:
-            return self._shard.sync(request)
+        return self._shard.sync(request)
 
     def lookup(
         self, keys: Sequence[BlockKey], prefer_machine: str | None = None
     ) -> list[StoreRef | None]:
-        with self._lock:
-            return self._shard.lookup(keys, prefer_machine)
+        return self._shard.lookup(keys, prefer_machine)
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return self._shard.stats().__dict__
+        return self._shard.stats().__dict__
 
     def ping(self) -> str:
         """The shard's incarnation (changes when the actor is replaced)."""
@@ -394,55 +374,24 @@ class SWARayTransport:
         self._timeout = timeout_s
         self._handles: dict[str, Any] = {}
         self._node: str | None = None
-        self._fast = FastChannels()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_timeout": self._timeout}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["_timeout"])  # type: ignore[misc]
+        return {"_timeout": self._timeout, "_handles": {}, "_node": None}
 
     def lookup(
         self, calls: Mapping[str, tuple[Sequence[BlockKey], str | None]]
     ) -> dict[str, list[StoreRef | None] | None]:
-        """One ``lookup`` per entrypoint actor name, all in flight at once, one shared deadline
-        (over the entrypoint's direct socket when it has one, else through Ray)."""
-        deadline = time.monotonic() + self._timeout
+        """One ``lookup`` per entrypoint actor name, all in flight at once, one shared deadline."""
         refs: dict[str, Any] = {}
-        sent: dict[Any, tuple[str, FastChannel]] = {}
         for name, (keys, prefer) in calls.items():
             handle = self._handle(name)
-            if handle is None:
-                continue
-            channel = self._fast.get(name, handle)
-            if channel is not None:
-                try:
-                    sent[channel.start("lookup", (keys, prefer))] = (name, channel)
-                    continue
-                except (OSError, EOFError):
-                    self._fast.forget(name, channel)
-            refs[name] = handle.lookup.remote(keys, prefer)
+            if handle is not None:
+                refs[name] = handle.lookup.remote(keys, prefer)
         answers: dict[str, list[StoreRef | None] | None] = dict.fromkeys(calls)
-        waiting = list(sent)
-        while waiting:
-            ready = wait_ready(waiting, deadline - time.monotonic())
-            if not ready:
-                break  # timed out: those stay None (a miss)
-            for conn in ready:
-                waiting.remove(conn)
-                name, channel = sent[conn]
-                try:
-                    answers[name] = channel.finish(conn)
-                except (RemoteError, OSError, EOFError) as error:
-                    log.debug("fast lookup on %s failed: %s", name, error)
-                    self._fast.forget(name, channel)
-        for conn in waiting:
-            conn.close()  # abandoned: its late reply must not be read as another call's
         if not refs:
             return answers
-        left = max(0.0, deadline - time.monotonic())
-        finished, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=left)
-        done = set(finished)
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self._timeout)
+        done = set(ready)
         for name, ref in refs.items():
             if ref in done:
                 answers[name] = self._get(name, ref)
