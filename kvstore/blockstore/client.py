@@ -33,7 +33,7 @@ import numpy as np
 
 from kvstore.blockstore.fanout import META, NODE
 from kvstore.blockstore.meta import MetaReply
-from kvstore.blockstore.placement import meta_shard_of, place
+from kvstore.blockstore.placement import place
 from kvstore.blockstore.reads import BlockReads
 from kvstore.blockstore.records import (
     Lease,
@@ -239,7 +239,7 @@ class BlockStoreClient(BlockReads):
         Keys travel as one (n, 4) uint64 array per call and come back as arrays: no Python
         object per key anywhere on this path (at 1,000 keys per request those objects, their
         pickling and the cyclic GC they feed were most of the cost)."""
-        words = [key_words(self._not_one_key(keys), "keys") for keys, _ in requests]
+        words = [key_words(keys, "keys") for keys, _ in requests]
         down = self.down_nodes()
         by_class: dict[str | None, list[int]] = defaultdict(list)
         for index, (_, traffic_class) in enumerate(requests):
@@ -394,26 +394,6 @@ class BlockStoreClient(BlockReads):
         }
         if wait:
             self._gather(tickets, self.config.call_timeout_s)
-
-    def _by_meta_words(self, words: np.ndarray) -> dict[int, np.ndarray]:
-        """Positions of ``words`` per owning meta shard (vectorised)."""
-        if words.shape[0] == 0:
-            return {}
-        owners = meta_shard_of(words, self.config.meta_shards)
-        if self.config.meta_shards == 1:
-            return {0: np.arange(words.shape[0])}
-        order = np.argsort(owners, kind="stable")
-        shards, starts = np.unique(owners[order], return_index=True)
-        bounds = [*starts.tolist(), order.size]
-        return {
-            int(shard): order[bounds[i] : bounds[i + 1]] for i, shard in enumerate(shards.tolist())
-        }
-
-    @staticmethod
-    def _not_one_key(keys: Sequence[bytes] | np.ndarray) -> Sequence[bytes] | np.ndarray:
-        if isinstance(keys, bytes | bytearray):
-            raise InvalidArgument("keys", "must be a sequence of keys, got one bytes object")
-        return keys
 
 
 def _flat(payload: object) -> memoryview:

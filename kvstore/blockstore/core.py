@@ -23,7 +23,7 @@ from kvstore.errors import (
     InvalidArgument,
     NodeUnavailable,
 )
-from kvstore.keys import BlockKey, check_keys
+from kvstore.keys import BlockKey, check_keys, key_words
 
 #: Weight of the newest sample in a node's moving latency estimate.
 _EWMA = 0.2
@@ -118,11 +118,23 @@ class ClientCore:
         return outcomes
 
     def _by_meta(self, keys: Sequence[BlockKey]) -> dict[int, list[int]]:
-        groups: dict[int, list[int]] = defaultdict(list)
-        if keys:
-            for position, shard in enumerate(meta_shard_of(keys, self.config.meta_shards)):
-                groups[int(shard)].append(position)
-        return groups
+        groups = self._by_meta_words(key_words(keys)).items()
+        # Shards in order of their first key, so answers built from them keep the keys' order.
+        return {shard: p.tolist() for shard, p in sorted(groups, key=lambda item: item[1][0])}
+
+    def _by_meta_words(self, words: np.ndarray) -> dict[int, np.ndarray]:
+        """Positions of ``words`` per owning meta shard (vectorised)."""
+        if words.shape[0] == 0:
+            return {}
+        if self.config.meta_shards == 1:
+            return {0: np.arange(words.shape[0])}
+        owners = meta_shard_of(words, self.config.meta_shards)
+        order = np.argsort(owners, kind="stable")
+        shards, starts = np.unique(owners[order], return_index=True)
+        bounds = [*starts.tolist(), order.size]
+        return {
+            int(shard): order[bounds[i] : bounds[i + 1]] for i, shard in enumerate(shards.tolist())
+        }
 
     def _meta_calls(
         self, keys: Sequence[BlockKey], method: str, *args: Any
