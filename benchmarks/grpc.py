@@ -100,12 +100,14 @@ def serve_floor(port_file: str) -> None:
 
     class Floor(pb_grpc.KVStoreServicer):
         async def QueryHit(self, request: Any, context: Any) -> Any:
-            keys = b"".join(request.block_keys)  # the one thing every server must do
-            hit = min(600, len(keys) // 32)
+            # Answer in the request's form of the keys, as kvstore does (the client packs them).
+            packed = request.block_keys_packed or b"".join(request.block_keys)
+            hit = min(600, len(packed) // 32)
             return pb.QueryHitResponse(
                 plan=pb.HitPlan(prompt_len=request.prompt_len, block_hit_tokens=hit * 128),
                 lease_id="0123456789abcdef",
-                hit_block_keys=list(request.block_keys[:hit]),
+                hit_block_keys=() if request.block_keys_packed else request.block_keys[:hit],
+                hit_block_keys_packed=packed[: hit * 32] if request.block_keys_packed else b"",
             )
 
         async def ReleaseLease(self, request: Any, context: Any) -> Any:
