@@ -524,6 +524,10 @@ def _prefill_store(length: int, block: int) -> int | None:
 
 
 def _non_negative_int(value: object, argument: str) -> int:
+    # A plain int needs none of the checks below (the Protocol isinstance alone costs
+    # microseconds, several times per QueryHit); bool's type is not int, so it is not let in.
+    if type(value) is int and value >= 0:
+        return value
     # bool is an int subclass but never a length; floats and strings have no __index__.
     if isinstance(value, bool) or not isinstance(value, SupportsIndex):
         raise InvalidArgument(argument, f"must be an integer, got {type(value).__name__}")
@@ -534,6 +538,8 @@ def _non_negative_int(value: object, argument: str) -> int:
 
 
 def _positive_int(value: object, argument: str) -> int:
+    if type(value) is int and value >= 1:  # fast path: see _non_negative_int
+        return value
     if isinstance(value, bool) or not isinstance(value, SupportsIndex):
         raise InvalidArgument(argument, f"must be an integer, got {type(value).__name__}")
     number = operator.index(value)

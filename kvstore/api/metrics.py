@@ -88,11 +88,16 @@ class ApiMetrics:
             ["method", "code"],
             registry=self.registry,
         )
+        self._latency_of: dict[str, Any] = {}
         if stats is not None:
             self.registry.register(_TierCollector(stats))
 
     def observe(self, method: str, seconds: float) -> None:
-        self._latency.labels(method=method).observe(seconds)
+        # labels() resolves its child under a lock on every call; keep each method's child.
+        child = self._latency_of.get(method)
+        if child is None:
+            child = self._latency_of[method] = self._latency.labels(method=method)
+        child.observe(seconds)
 
     def error(self, method: str, code: str) -> None:
         self._errors.labels(method=method, code=code).inc()
