@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import threading
@@ -40,7 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--deployment", default="kvstore", help="name of this deployment")
     parser.add_argument("--storage-nodes", type=int, default=12, help="storage nodes (≥ 12)")
-    parser.add_argument("--meta-shards", type=int, default=4, help="meta shards")
+    parser.add_argument(
+        "--meta-shards",
+        type=int,
+        metavar="N",
+        help="meta shards (default: one per 2 CPUs of the Ray cluster, 1 to 8: each is a "
+        "single-threaded actor, and more than the cores can run only adds per-call work)",
+    )
     parser.add_argument("--preset", default="v4.1-flash", choices=PRESET_NAMES, help="model")
     parser.add_argument(
         "--fsync", choices=["always", "batch", "never"], default="batch", help="shard fsync policy"
@@ -70,22 +77,38 @@ def _options(args: argparse.Namespace) -> ServerOptions:
         raise InvalidArgument(f"--{error.field.replace('_', '-')}", str(error)) from None
 
 
+def meta_shards_for(cpus: int) -> int:
+    """One meta shard per 2 CPUs of the cluster, 1 to 8. Measured on 2 cores: QueryHit at
+    concurrency 16 went from 337 QPS with 4 shards to 401 with 1."""
+    return max(1, min(8, cpus // 2))
+
+
 def run(args: argparse.Namespace) -> int:
     options = _options(args)
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise InvalidArgument("--metrics-port", f"must be in [0, 65535], got {args.metrics_port}")
+    from kvstore.runtime.cluster import connect
     from kvstore.runtime.service import Gateway, Service, ServiceConfig
 
-    config = ServiceConfig(
+    config = ServiceConfig(  # checked before Ray starts: a bad flag costs no cluster
         data_root=args.data_dir.resolve(),
         deployment=args.deployment,
         storage_nodes=args.storage_nodes,
-        meta_shards=args.meta_shards,
+        meta_shards=1 if args.meta_shards is None else args.meta_shards,
         fsync=args.fsync,
         geometry=GeometryConfig(preset=args.preset),
         run_gc=not args.no_gc,
     )
-    print(f"kvstore: deploying {config.storage_nodes} storage nodes under {config.data_root} ...")
+    connect(args.address)
+    if args.meta_shards is None:
+        import ray
+
+        cpus = int(ray.cluster_resources().get("CPU", 2))
+        config = dataclasses.replace(config, meta_shards=meta_shards_for(cpus))
+    print(
+        f"kvstore: deploying {config.storage_nodes} storage nodes and {config.meta_shards} meta "
+        f"shard(s) under {config.data_root} ..."
+    )
     service = Service.start(config, address=args.address)
     stop = threading.Event()
 

@@ -99,3 +99,12 @@ def test_parser_is_built_fresh_each_time():
         if isinstance(action, argparse._SubParsersAction)
     ]
     assert choices and "plan" in choices[0]
+
+
+@pytest.mark.parametrize(
+    ("cpus", "shards"), [(0, 1), (1, 1), (2, 1), (3, 1), (4, 2), (16, 8), (96, 8)]
+)
+def test_up_sizes_its_meta_shards_to_the_cluster(cpus: int, shards: int) -> None:
+    from kvstore.commands.up import meta_shards_for
+
+    assert meta_shards_for(cpus) == shards

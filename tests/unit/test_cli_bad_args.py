@@ -46,6 +46,7 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (("up", "--tls-cert", "/etc/hostname"), "tls"),
     (("up", "--token-file", "/nonexistent/token"), "token"),
     (("up", "--fsync", "sometimes"), "--fsync"),
+    (("up", "--meta-shards", "0"), "meta_shards"),
     (("chaos",), "--scenario"),
     (("chaos", "--scenario", "nope"), "--scenario"),
     (("chaos", "--scenario", "all", "--machines", "3"), "--machines"),
