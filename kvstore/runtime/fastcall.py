@@ -3,8 +3,9 @@
 Ray stays the control plane (placement, restarts, names, every other call), but a Ray actor
 call cost ~1.5 ms of CPU on this kind of machine, caller and actor together (submit, task
 dispatch, serialisation, output store; measured while profiling QueryHit), and a QueryHit makes
-one per meta shard. The calls on the hit path (a meta shard's ``lookup_wire``) go instead over a
-plain socket to a thread in the actor's process:
+one per meta shard and one per directory shard. The calls on the hit path (a meta shard's
+``lookup_wire``, an entrypoint's ``lookup``) go instead over a plain socket to a thread in the
+actor's process:
 ``multiprocessing.connection`` (length-prefixed pickles), HMAC-authenticated with a key the actor
 makes at start and hands out only through Ray (a nonce-challenge handshake: the key never crosses
 the wire). A round trip costs tens of microseconds.
@@ -38,6 +39,10 @@ Endpoint = tuple[str, int, bytes]
 #: A peer must finish the key handshake within this long (both sides), so a dead or wedged
 #: actor makes a call fail instead of hang.
 HANDSHAKE_TIMEOUT_S = 2.0
+#: A caller dials a new connection within this long (a healthy actor answers in well under a
+#: millisecond). Longer would let one unresponsive actor (a lingering process of a removed
+#: machine accepts in the kernel but never answers) eat the deadline its siblings share.
+DIAL_TIMEOUT_S = 0.25
 _BACKLOG = 128
 _WELCOME = b"kvstore.fastcall.v1"
 
@@ -183,13 +188,20 @@ class FastChannel:
         self._free: list[Connection] = []
         self._lock = threading.Lock()
 
-    def start(self, method: str, args: tuple[Any, ...]) -> Connection:
+    def idle(self) -> bool:
+        """Whether a call can start without dialing (a connection is free)."""
+        return bool(self._free)
+
+    def start(
+        self, method: str, args: tuple[Any, ...], dial_timeout_s: float = DIAL_TIMEOUT_S
+    ) -> Connection:
         """Send a call; the returned connection becomes readable when its reply is in.
-        Raises ``OSError``/``EOFError`` when the actor cannot be reached."""
+        Raises ``OSError``/``EOFError`` when the actor cannot be reached (``TimeoutError``
+        when a new connection is not set up within ``dial_timeout_s``)."""
         with self._lock:
             conn = self._free.pop() if self._free else None
         if conn is None:
-            conn = connect(self.endpoint)
+            conn = connect(self.endpoint, max(0.001, min(dial_timeout_s, DIAL_TIMEOUT_S)))
         try:
             conn.send((method, args))
         except BaseException:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,13 @@ from kvstore.clock import SystemClock
 from kvstore.errors import InvalidArgument, StateRejected, StoreError
 from kvstore.keys import BlockKey
 from kvstore.runtime.cluster import pin_to_node
+from kvstore.runtime.fastcall import (
+    FastCallServer,
+    FastChannel,
+    FastChannels,
+    RemoteError,
+    wait_ready,
+)
 from kvstore.swa.agent import StoreAgent
 from kvstore.swa.config import SWAConfig
 from kvstore.swa.directory import (
@@ -88,17 +96,29 @@ class SWAEntrypointActor:
 
     def __init__(self, shard_id: str, owner_timeout_s: float) -> None:
         self._shard = DirectoryShard(shard_id, owner_timeout_s=owner_timeout_s, clock=SystemClock())
+        # Lookups (a hit query's second round) also come over a direct socket, served by
+        # another thread: the lock keeps the shard single-threaded.
+        self._lock = threading.Lock()
+        self._fast = FastCallServer(
+            self._shard, ("lookup",), self._lock, ray.util.get_node_ip_address()
+        )
+
+    def fast_endpoint(self) -> tuple[str, int, bytes]:
+        return self._fast.endpoint
 
     def sync(self, request: SyncRequest) -> SyncReply:
-        return self._shard.sync(request)
+        with self._lock:
+            return self._shard.sync(request)
 
     def lookup(
         self, keys: Sequence[BlockKey], prefer_machine: str | None = None
     ) -> list[StoreRef | None]:
-        return self._shard.lookup(keys, prefer_machine)
+        with self._lock:
+            return self._shard.lookup(keys, prefer_machine)
 
     def stats(self) -> dict[str, Any]:
-        return self._shard.stats().__dict__
+        with self._lock:
+            return self._shard.stats().__dict__
 
     def ping(self) -> str:
         """The shard's incarnation (changes when the actor is replaced)."""
@@ -374,30 +394,89 @@ class SWARayTransport:
         self._timeout = timeout_s
         self._handles: dict[str, Any] = {}
         self._node: str | None = None
+        self._fast = FastChannels()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_timeout": self._timeout, "_handles": {}, "_node": None}
+        return {"_timeout": self._timeout}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["_timeout"])  # type: ignore[misc]
 
     def lookup(
         self, calls: Mapping[str, tuple[Sequence[BlockKey], str | None]]
     ) -> dict[str, list[StoreRef | None] | None]:
-        """One ``lookup`` per entrypoint actor name, all in flight at once, one shared deadline."""
+        """One ``lookup`` per entrypoint actor name, all in flight at once, one shared deadline
+        (over the entrypoint's direct socket when it has one, else through Ray)."""
+        deadline = time.monotonic() + self._timeout
         refs: dict[str, Any] = {}
+        sent: dict[Any, tuple[str, FastChannel]] = {}
+        to_dial: list[tuple[str, Any, FastChannel]] = []
         for name, (keys, prefer) in calls.items():
             handle = self._handle(name)
-            if handle is not None:
+            if handle is None:
+                continue
+            channel = self._fast.get(name, handle)
+            if channel is None:
                 refs[name] = handle.lookup.remote(keys, prefer)
+            elif channel.idle():
+                self._start_fast(name, handle, channel, (keys, prefer), deadline, sent, refs)
+            else:
+                to_dial.append((name, handle, channel))
+        # Calls that need a new connection go last: a dial to an unresponsive actor must not
+        # delay the calls to the healthy ones (their replies are read after it).
+        for name, handle, channel in to_dial:
+            args = calls[name]
+            self._start_fast(name, handle, channel, args, deadline, sent, refs)
         answers: dict[str, list[StoreRef | None] | None] = dict.fromkeys(calls)
+        waiting = list(sent)
+        while waiting:
+            ready = wait_ready(waiting, deadline - time.monotonic())
+            if not ready:
+                break  # timed out: those stay None (a miss)
+            for conn in ready:
+                waiting.remove(conn)
+                name, channel = sent[conn]
+                try:
+                    answers[name] = channel.finish(conn)
+                except (RemoteError, OSError, EOFError) as error:
+                    log.debug("fast lookup on %s failed: %s", name, error)
+                    self._fast.forget(name, channel)
+        for conn in waiting:
+            conn.close()  # abandoned: its late reply must not be read as another call's
+            # No answer in time: the endpoint may belong to a process that is going away.
+            # Forget it; the next call goes through Ray, which knows, and asks for a new one.
+            name, channel = sent[conn]
+            self._fast.forget(name, channel)
         if not refs:
             return answers
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self._timeout)
-        done = set(ready)
+        left = max(0.0, deadline - time.monotonic())
+        finished, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=left)
+        done = set(finished)
         for name, ref in refs.items():
             if ref in done:
                 answers[name] = self._get(name, ref)
             else:
                 self._handles.pop(name, None)
         return answers
+
+    def _start_fast(
+        self,
+        name: str,
+        handle: Any,
+        channel: FastChannel,
+        args: tuple[Sequence[BlockKey], str | None],
+        deadline: float,
+        sent: dict[Any, tuple[str, FastChannel]],
+        refs: dict[str, Any],
+    ) -> None:
+        """Send ``lookup(*args)`` over ``channel``; through Ray if the socket fails."""
+        try:
+            conn = channel.start("lookup", args, dial_timeout_s=deadline - time.monotonic())
+            sent[conn] = (name, channel)
+        except (OSError, EOFError) as error:
+            log.debug("fast lookup on %s did not start: %s", name, error)
+            self._fast.forget(name, channel)
+            refs[name] = handle.lookup.remote(*args)
 
     def fetch(self, store_name: str, key: BlockKey) -> np.ndarray | None:
         """The state's bytes (read-only), within one timeout; None on any failure."""

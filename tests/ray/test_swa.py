@@ -4,6 +4,7 @@ entrypoint directory, fetches across Ray nodes, entrypoints and machines lost fo
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,8 @@ import ray
 from kvstore.errors import StateRejected
 from kvstore.geometry import GeometryConfig
 from kvstore.runtime.cluster import LocalCluster, pin_to_machine
-from kvstore.runtime.swa_actors import SWADeployment, deploy_swa
+from kvstore.runtime.fastcall import FastChannel
+from kvstore.runtime.swa_actors import SWADeployment, deploy_swa, entry_actor_name
 from kvstore.swa.config import SWAConfig
 from kvstore.swa.directory import ShardMap
 
@@ -340,3 +342,39 @@ def test_losing_the_machine_of_an_entrypoint_is_survived(ray_cluster: LocalClust
         swa.shutdown()
         if doomed in ray_cluster.machines:
             ray_cluster.remove_machine(doomed)
+
+
+def test_an_unresponsive_entrypoint_endpoint_delays_no_other_shard(swa: SWADeployment) -> None:
+    """A removed machine's process may linger: the kernel still accepts on its socket but nobody
+    answers. Dialing it must not eat the deadline the healthy shards share, and the stale
+    endpoint is dropped so the next lookup asks Ray."""
+    client = swa.client()
+    m0 = sorted(swa.stores)[0]
+    keys = fresh_keys(8)  # the store holds 16 states; other tests' are there too
+    assert all(client.put(m0, k, 128, state(i)) for i, k in enumerate(keys))
+    fast = client._transport._fast  # the client's socket channels, by entrypoint actor name
+    names = [entry_actor_name(swa.config, shard) for shard in swa.shards]
+    deadline = time.monotonic() + 30
+    while not all(name in fast._channels for name in names):  # first calls go through Ray
+        assert all(o is not None for o in client.lookup(keys))
+        assert time.monotonic() < deadline, "the entrypoints' endpoints were never resolved"
+        time.sleep(0.05)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
+    try:
+        victim = names[0]
+        fast._channels[victim] = FastChannel((*silent.getsockname(), b"k" * 32))
+        on_victim = [k for k in keys if ShardMap(swa.shards).shard_of(k) == swa.shards[0]]
+        assert on_victim and len(on_victim) < len(keys)
+        started = time.monotonic()
+        owners = client.lookup(keys)
+        assert time.monotonic() - started <= swa.config.call_timeout_s + 1.0
+        for key, owner in zip(keys, owners, strict=True):
+            if key not in on_victim:
+                assert owner is not None and owner.machine_id == m0
+        assert (
+            fast._channels.get(victim) is None
+            or fast._channels[victim].endpoint[1] != (silent.getsockname()[1])
+        )
+        assert all(o is not None for o in client.lookup(keys))  # through Ray, then re-resolved
+    finally:
+        silent.close()

@@ -7,12 +7,15 @@ import os
 import signal
 import socket
 import threading
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
 from kvstore.runtime.fastcall import (
+    DIAL_TIMEOUT_S,
+    HANDSHAKE_TIMEOUT_S,
     FastCallServer,
     FastChannel,
     RemoteError,
@@ -154,3 +157,20 @@ def test_a_server_whose_parent_died_stops_answering() -> None:
             _call(channel, "double", np.ones(1))
     finally:
         os.kill(pid, signal.SIGKILL)
+
+
+def test_dialing_an_endpoint_that_never_answers_gives_up_quickly() -> None:
+    """The kernel accepts for a process that no longer runs its server (a removed machine's
+    lingering worker): a new connection must fail within DIAL_TIMEOUT_S, not the handshake's
+    2 s, or it would eat the deadline of the calls to healthy actors."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        channel = FastChannel((*silent.getsockname(), b"k" * 32))
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            channel.start("double", (np.ones(1),))
+        assert time.monotonic() - started < DIAL_TIMEOUT_S + 0.5 < HANDSHAKE_TIMEOUT_S
+        with pytest.raises(TimeoutError):  # a caller's shorter deadline is honoured too
+            channel.start("double", (np.ones(1),), dial_timeout_s=0.01)
+    finally:
+        silent.close()
