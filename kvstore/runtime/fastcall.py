@@ -39,10 +39,6 @@ Endpoint = tuple[str, int, bytes]
 #: A peer must finish the key handshake within this long (both sides), so a dead or wedged
 #: actor makes a call fail instead of hang.
 HANDSHAKE_TIMEOUT_S = 2.0
-#: A caller dials a new connection within this long (a healthy actor answers in well under a
-#: millisecond). Longer would let one unresponsive actor (a lingering process of a removed
-#: machine accepts in the kernel but never answers) eat the deadline its siblings share.
-DIAL_TIMEOUT_S = 0.25
 _BACKLOG = 128
 _WELCOME = b"kvstore.fastcall.v1"
 
@@ -193,15 +189,17 @@ class FastChannel:
         return bool(self._free)
 
     def start(
-        self, method: str, args: tuple[Any, ...], dial_timeout_s: float = DIAL_TIMEOUT_S
+        self, method: str, args: tuple[Any, ...], dial_timeout_s: float = HANDSHAKE_TIMEOUT_S
     ) -> Connection:
         """Send a call; the returned connection becomes readable when its reply is in.
         Raises ``OSError``/``EOFError`` when the actor cannot be reached (``TimeoutError``
-        when a new connection is not set up within ``dial_timeout_s``)."""
+        when a new connection is not set up within ``dial_timeout_s``: a caller with a
+        deadline passes what is left of it; a loaded actor may take a while to answer, so a
+        short fixed bound would make healthy dials fail)."""
         with self._lock:
             conn = self._free.pop() if self._free else None
         if conn is None:
-            conn = connect(self.endpoint, max(0.001, min(dial_timeout_s, DIAL_TIMEOUT_S)))
+            conn = connect(self.endpoint, max(0.001, min(dial_timeout_s, HANDSHAKE_TIMEOUT_S)))
         try:
             conn.send((method, args))
         except BaseException:

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from kvstore.runtime.fastcall import (
-    DIAL_TIMEOUT_S,
     HANDSHAKE_TIMEOUT_S,
     FastCallServer,
     FastChannel,
@@ -120,9 +119,14 @@ def _serve_in_child(ready: Any) -> None:
 
 
 def _serve_in_orphan(ready: Any) -> None:
-    """Like a Ray worker whose raylet dies: the server's parent exits, the server lives on."""
-    inner = multiprocessing.get_context("fork").Process(target=_serve_in_child, args=(ready,))
+    """Like a Ray worker whose raylet dies: the server's parent exits, the server lives on.
+    The parent exits only once the server is up (it noted its parent while the parent lived,
+    as a Ray worker does at start): exiting sooner raced the server's start."""
+    context = multiprocessing.get_context("fork")
+    mine, theirs = context.Pipe()
+    inner = context.Process(target=_serve_in_child, args=(theirs,))
     inner.start()
+    ready.send(mine.recv())
     os._exit(0)
 
 
@@ -159,18 +163,16 @@ def test_a_server_whose_parent_died_stops_answering() -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def test_dialing_an_endpoint_that_never_answers_gives_up_quickly() -> None:
+def test_dialing_an_endpoint_that_never_answers_gives_up_within_the_callers_deadline() -> None:
     """The kernel accepts for a process that no longer runs its server (a removed machine's
-    lingering worker): a new connection must fail within DIAL_TIMEOUT_S, not the handshake's
-    2 s, or it would eat the deadline of the calls to healthy actors."""
+    lingering worker): a new connection fails once the caller's time is up, not after the
+    handshake's own 2 s."""
     silent = socket.create_server(("127.0.0.1", 0))
     try:
         channel = FastChannel((*silent.getsockname(), b"k" * 32))
         started = time.monotonic()
         with pytest.raises(TimeoutError):
-            channel.start("double", (np.ones(1),))
-        assert time.monotonic() - started < DIAL_TIMEOUT_S + 0.5 < HANDSHAKE_TIMEOUT_S
-        with pytest.raises(TimeoutError):  # a caller's shorter deadline is honoured too
-            channel.start("double", (np.ones(1),), dial_timeout_s=0.01)
+            channel.start("double", (np.ones(1),), dial_timeout_s=0.2)
+        assert time.monotonic() - started < HANDSHAKE_TIMEOUT_S
     finally:
         silent.close()
