@@ -82,6 +82,10 @@ def _warn_if_object_store_too_small(capacity: int) -> None:
             return
 
 
+#: What an entrypoint asks Ray for (see ``deploy_swa``); far below what its directory uses.
+_ENTRYPOINT_MEMORY_BYTES = 1 << 20
+
+
 def store_actor_name(config: SWAConfig, machine_id: str) -> str:
     return f"{config.name}-store-{machine_id}"
 
@@ -123,6 +127,10 @@ class SWAEntrypointActor:
     def ping(self) -> str:
         """The shard's incarnation (changes when the actor is replaced)."""
         return self._shard.incarnation
+
+    def node_id(self) -> str:
+        """The Ray node this entrypoint runs on (hex)."""
+        return str(ray.get_runtime_context().get_node_id())
 
 
 @ray.remote
@@ -359,6 +367,10 @@ def deploy_swa(
         deployment.handles[entry_actor_name(config, shard)] = SWAEntrypointActor.options(  # type: ignore[attr-defined]
             name=entry_actor_name(config, shard),
             num_cpus=0,
+            # A token request: Ray places an actor that asks for no resource at all on a random
+            # node whatever its soft affinity says (ray-project/ray#25360 fixed the hard case
+            # only). Every node has "memory", so this still fits anywhere after a machine loss.
+            memory=_ENTRYPOINT_MEMORY_BYTES,
             max_restarts=-1,
             max_task_retries=0,
             enable_task_events=False,
