@@ -31,13 +31,12 @@ from kvstore.blockstore.shardfile import (
     PAYLOAD_HASH,
     SHARD_FILE_HEAD_BYTES,
     data_heads_match,
-    parse_node_header,
     payload_hash,
     shard_view,
+    writes_by_payload,
 )
 from kvstore.ec.shard import fragment_length
 from kvstore.errors import (
-    CorruptShard,
     NodeUnavailable,
     StoreError,
     TooFewShards,
@@ -541,15 +540,9 @@ class BlockReads(ClientCore):
             block = self._decode_group(location, files, range(self._width), digests.pop(), out)
             if block is not None:
                 return block
-        groups: dict[bytes, list[int]] = defaultdict(list)
-        for index, file in enumerate(files):
-            if file is None:
-                continue
-            try:
-                groups[parse_node_header(file).payload_hash].append(index)
-            except CorruptShard:
-                self.counters["corrupt_shards"] += 1
-        for digest, members in sorted(groups.items(), key=lambda item: -len(item[1])):
+        groups, corrupt = writes_by_payload(files)
+        self.counters["corrupt_shards"] += corrupt
+        for digest, members in groups:
             if len(members) < self._k:
                 break
             block = self._decode_group(location, files, members, digest, out)

@@ -29,10 +29,10 @@ from kvstore.blockstore.fanout import META, NODE, Fanout
 from kvstore.blockstore.node import split_files
 from kvstore.blockstore.placement import meta_shard_of, replacement
 from kvstore.blockstore.records import StripeRecord
-from kvstore.blockstore.shardfile import parse_node_header, payload_hash, shard_view
+from kvstore.blockstore.shardfile import payload_hash, shard_view, writes_by_payload
 from kvstore.clock import Clock, SystemClock
 from kvstore.ec import Codec
-from kvstore.errors import CorruptShard, NodeDead, NodeUnavailable, StoreError, TooFewShards
+from kvstore.errors import NodeDead, NodeUnavailable, StoreError, TooFewShards
 
 log = logging.getLogger(__name__)
 
@@ -244,15 +244,8 @@ class Repairer:
         return blocks
 
     def _decode(self, stripe: StripeRecord, files: list[Any]) -> tuple[np.ndarray, bytes] | None:
-        groups: dict[bytes, list[int]] = defaultdict(list)
-        for index, file in enumerate(files):
-            if file is None:
-                continue
-            try:
-                groups[parse_node_header(file).payload_hash].append(index)
-            except CorruptShard:
-                continue
-        for digest, members in sorted(groups.items(), key=lambda item: -len(item[1])):
+        groups, _corrupt = writes_by_payload(files)
+        for digest, members in groups:
             shards = [shard_view(files[i]) if i in members else None for i in range(len(files))]
             try:
                 data = self._codec.decode(shards, size=stripe.size, key=stripe.key)

@@ -87,6 +87,22 @@ def parse_node_header(buf: object) -> NodeHeader:
     return NodeHeader(class_id=class_id, created=created, payload_hash=digest, token=token)
 
 
+def writes_by_payload(files: Sequence[object | None]) -> tuple[list[tuple[bytes, list[int]]], int]:
+    """Which of a stripe's shard files (None: missing) belong to the same write: positions
+    grouped by the payload hash in their node headers, largest group first; and how many
+    headers were corrupt (those files are left out)."""
+    groups: dict[bytes, list[int]] = {}
+    corrupt = 0
+    for index, file in enumerate(files):
+        if file is None:
+            continue
+        try:
+            groups.setdefault(parse_node_header(file).payload_hash, []).append(index)
+        except CorruptShard:
+            corrupt += 1
+    return sorted(groups.items(), key=lambda item: -len(item[1])), corrupt
+
+
 def shard_view(file_bytes: np.ndarray) -> np.ndarray:
     """The codec shard inside a shard file (a view, no copy)."""
     return file_bytes[NODE_HEADER_BYTES:]
