@@ -44,9 +44,13 @@ from typing import Any
 import numpy as np
 
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
+from kvstore.geometry import GeometryConfig
 from kvstore.runtime.cluster import LocalClusterConfig, connect
 
-SIZES = {"111 KiB": 113_920, "1.35 MiB": 1_415_040}
+#: One V4.1-Flash block and one SWA state (SPEC §2, §3), from the model preset.
+V41_BLOCK = GeometryConfig.default().block_bytes
+V41_STATE = GeometryConfig.default().state_size_to_disk
+SIZES = {"111 KiB": V41_BLOCK, "1.35 MiB": V41_STATE}
 BATCH = 64
 REDIS_SERVER = "/usr/bin/redis-server"
 GET_TARGET = 0.5

@@ -32,9 +32,13 @@ from functools import partial
 import numpy as np
 
 from kvstore.ec import Codec
+from kvstore.geometry import GeometryConfig
 
 K, M = 10, 2
-SIZES = {"111 KiB": 113_920, "1.35 MiB": 1_415_040, "16 MiB": 16 * 2**20}
+#: One V4.1-Flash block and one SWA state (SPEC §2, §3), from the model preset.
+V41_BLOCK = GeometryConfig.default().block_bytes
+V41_STATE = GeometryConfig.default().state_size_to_disk
+SIZES = {"111 KiB": V41_BLOCK, "1.35 MiB": V41_STATE, "16 MiB": 16 * 2**20}
 TARGET_SIZE = "1.35 MiB"
 TARGET_MBPS = 5_000.0
 TARGET_RATIO = 5.0

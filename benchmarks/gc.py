@@ -35,11 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.blockstore.index import BlockIndex
+from kvstore.geometry import GeometryConfig
 
 T0 = 1_700_000_000.0
 DAY = 86400.0
 WIDTH = 12
-BLOCK_BYTES = 113_920
+BLOCK_BYTES = GeometryConfig.default().block_bytes  # one V4.1-Flash block
 TTL = np.array([1 * DAY, 3 * DAY, 7 * DAY])
 BATCH = 100_000
 TARGET_BYTES_PER_BLOCK = 128.0

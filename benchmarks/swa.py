@@ -41,10 +41,11 @@ from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig  # noq
 from kvstore.geometry import GeometryConfig  # noqa: E402
 from kvstore.keys import BLOCK_TOKENS, block_keys  # noqa: E402
 from kvstore.runtime.cluster import LocalCluster, pin_to_machine  # noqa: E402
-from kvstore.runtime.deploy import connect_client, deploy_blockstore  # noqa: E402
+from kvstore.runtime.deploy import BlockStoreHandles, deploy_blockstore  # noqa: E402
 from kvstore.runtime.swa_actors import SWADeployment, deploy_swa  # noqa: E402
+from kvstore.runtime.tiers import cluster_tier  # noqa: E402
 from kvstore.swa.config import SWAConfig  # noqa: E402
-from kvstore.swa.hit import BlockClientLookup  # noqa: E402
+from kvstore.tier.records import HitRequest  # noqa: E402
 
 KEYS = 1_000
 #: 1,000 whole blocks inside the cap: L − 134 = 128,000.
@@ -66,10 +67,15 @@ def summary(seconds: list[float]) -> dict[str, float]:
 class BenchAgent:
     """An engine-side process on one machine: the SWA client and the block client live here."""
 
-    def __init__(self, swa: SWADeployment, machine: str, blocks: BlockStoreConfig) -> None:
+    def __init__(
+        self, swa: SWADeployment, machine: str, blocks: BlockStoreConfig, geometry: GeometryConfig
+    ) -> None:
         self.machine = machine
         self.swa = swa.client(local_machine=machine)
-        self.blocks = BlockClientLookup(connect_client(blocks))
+        handles = BlockStoreHandles.from_names(blocks)
+        self.blocks = handles.client()
+        # The tier seam an engine (or the gateway) plans hits through.
+        self.tier = cluster_tier(handles, swa, geometry, local_machine=machine)
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -141,30 +147,29 @@ class BenchAgent:
         hit = 0
         for _ in range(reps):
             start = time.perf_counter()
-            hit, lease = self.blocks.lookup(keys)
+            found = self.blocks.lookup(keys)
             seconds.append(time.perf_counter() - start)
-            if lease is not None:
-                self.blocks.release(lease)
+            hit = found.hit_blocks
+            self.blocks.release(found.lease)
         out = summary(seconds)
         out["hit_blocks"] = hit
         return out
 
-    def query_hits(self, keys: list[bytes], reps: int, geometry: GeometryConfig) -> dict:
-        query = self.swa.hit_query(self.blocks, geometry)
+    def query_hits(self, keys: list[bytes], reps: int) -> dict:
         seconds: list[float] = []
-        plan: dict[str, Any] = {}
+        answer = None
         for _ in range(reps):
             start = time.perf_counter()
-            result = query.query_hit(keys, PROMPT_LEN, "standard")
+            answer = self.tier.query_hit(HitRequest(block_keys=keys, prompt_len=PROMPT_LEN))
             seconds.append(time.perf_counter() - start)
-            if result.lease is not None:
-                self.blocks.release(result.lease)
-            plan = result.to_dict()
+            if answer.lease_id:
+                self.tier.release_lease(answer.lease_id)
+        assert answer is not None
         out = summary(seconds)
-        out["hit_tokens"] = plan["plan"]["hit_tokens"]
-        out["swa_hit"] = plan["plan"]["swa_hit"]
-        out["swa_owner"] = plan["swa_owner"]["machine_id"] if plan["swa_owner"] else None
-        out["advice"] = plan["advice"]["choice"] if plan["advice"] else None
+        out["hit_tokens"] = answer.plan.hit_tokens
+        out["swa_hit"] = answer.plan.swa_hit
+        out["swa_owner"] = answer.swa_owner
+        out["advice"] = answer.advice
         return out
 
 
@@ -201,7 +206,7 @@ def measure(reps: int) -> dict[str, Any]:
         for start in range(0, KEYS, 100):
             put = block_client.put_blocks(keys[start : start + 100], [payload] * 100)
             assert put.ok, f"block put failed: {put.failed}"
-        agent = BenchAgent.options(**pin_to_machine(m0)).remote(swa, m0, block_config)
+        agent = BenchAgent.options(**pin_to_machine(m0)).remote(swa, m0, block_config, geometry)
         results: dict[str, Any] = {"keys": KEYS, "prompt_len": PROMPT_LEN, "reps": reps}
         results["agent_node_is_m0"] = ray.get(agent.node.remote()) == cluster.node_id(m0)
         results["directory"] = ray.get(agent.lookups.remote(keys, reps))
@@ -210,7 +215,7 @@ def measure(reps: int) -> dict[str, Any]:
             agent.fetches.remote(keys[-1], KEYS * BLOCK_TOKENS, blob, reps)
         )
         results["block_lookup"] = ray.get(agent.block_lookups.remote(keys, reps))
-        results["query_hit"] = ray.get(agent.query_hits.remote(keys, reps, geometry))
+        results["query_hit"] = ray.get(agent.query_hits.remote(keys, reps))
         with redis_server() as peer:
             if peer is not None:
                 results["redis"] = ray.get(agent.redis_peer.remote(peer[0], keys, blob, reps))

@@ -20,7 +20,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -227,6 +226,10 @@ TRUNCATION_MODES = ("off", "mask", "compact")
 EC_DATA_SHARDS = 10
 
 
+#: Fields whose values are names, read from the environment case-folded.
+_NAME_FIELDS = ("preset", "role", "truncation")
+
+
 @dataclass(frozen=True)
 class GeometryConfig:
     """Model preset + engine role + YoCo truncation + ring knobs; all sizes derive from it."""
@@ -346,24 +349,9 @@ class GeometryConfig:
         ``{prefix}NUM_STATE_SEQS``, ``{prefix}DECODE_SNAPSHOT_OVERRUN``; unset ones take the
         defaults. The only env read in kvstore's
         geometry."""
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            name = prefix + f.name.upper()
-            raw = env.get(name)
-            if raw is None or raw.strip() == "":
-                continue
-            raw = raw.strip()
-            if f.name in ("preset", "role", "truncation"):
-                values[f.name] = raw.lower()
-            elif f.name == "extra_state":
-                values[f.name] = _parse_bool(name, raw)
-            else:
-                try:
-                    values[f.name] = int(raw, 10)
-                except ValueError:
-                    raise ConfigError(name, f"must be an integer, got {raw!r}") from None
-        return cls(**values)
+        from kvstore.config import from_env  # the one environment loader
+
+        return from_env(cls, prefix, environ, lower=_NAME_FIELDS)
 
     def to_dict(self) -> dict[str, Any]:
         """The config fields (JSON-ready); ``from_dict(to_dict())`` gives an equal config."""
@@ -578,16 +566,3 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ConfigError(name, f"must be an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(name, f"must be >= {minimum}, got {value}")
-
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _parse_bool(name: str, raw: str) -> bool:
-    word = raw.strip().lower()
-    if word in _TRUE:
-        return True
-    if word in _FALSE:
-        return False
-    raise ConfigError(name, f"must be a boolean (1/0, true/false, yes/no, on/off), got {raw!r}")

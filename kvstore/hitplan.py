@@ -36,10 +36,11 @@ from typing import Any, Literal, Protocol, SupportsIndex
 import numpy as np
 
 from kvstore.errors import InvalidArgument
+from kvstore.keys import BLOCK_TOKENS
 
 DEFAULT_WINDOW = 128
 DEFAULT_MAX_BACKTRACKING = 6
-DEFAULT_BLOCK_TOKENS = 128
+DEFAULT_BLOCK_TOKENS = BLOCK_TOKENS  # one source: the block key's span (kvstore.keys)
 
 STANDARD = "standard"
 BOUNDED_REPLAY = "bounded-replay"

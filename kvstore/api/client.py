@@ -1,11 +1,12 @@
-"""Python gRPC client of kvstore, with the shape of the in-cluster client.
+"""Python gRPC client of kvstore: the tier seam (``kvstore.tier.protocols.Tier``) over gRPC.
 
     with KVStoreClient("127.0.0.1:50051") as client:
         answer = client.query_hit(token_ids=prompt, traffic_class="chatbot")
         reads = client.get_blocks(list(answer.hit_block_keys), lease_id=answer.lease_id)
 
-Results are the same dataclasses the backend returns (``kvstore.api.backend``). A gRPC error is
-raised as ``grpc.RpcError`` with the server's status code and message (which names the field).
+Answers are the seam's records (``kvstore.tier.records``), the same an in-cluster caller of
+``ClusterTier`` gets. A gRPC error is raised as ``grpc.RpcError`` with the server's status code
+and message (which names the field).
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+import numpy as np
 
-from kvstore.api.backend import BlockRead, HitAnswer, PutAnswer, StateRead, Stats
 from kvstore.api.server import DEFAULT_MAX_MESSAGE_BYTES
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.errors import InvalidArgument
 from kvstore.hitplan import HitPlan
 from kvstore.keys import KEY_BYTES, BlockKey, key_words
+from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, StateRead, Stats
 
 _MODES = {"standard": pb.HIT_MODE_STANDARD, "bounded-replay": pb.HIT_MODE_BOUNDED_REPLAY}
 _ADVICE = {pb.ADVICE_FETCH: "fetch", pb.ADVICE_REPLAY: "replay"}
@@ -75,34 +78,23 @@ class KVStoreClient:
     def _kw(self) -> dict[str, Any]:
         return {"timeout": self._timeout, "metadata": self._metadata}
 
-    def query_hit(
-        self,
-        *,
-        token_ids: Sequence[int] | None = None,
-        block_keys: Sequence[bytes] | None = None,
-        prompt_len: int = 0,
-        mode: str = "standard",
-        traffic_class: str = "",
-        take_lease: bool = True,
-    ) -> HitAnswer:
-        if mode not in _MODES:
-            raise ValueError(f"mode: must be one of {sorted(_MODES)}, got {mode!r}")
+    def query_hit(self, hit: HitRequest) -> HitAnswer:
         # Keys go packed (one bytes field): a repeated field of 1,000 keys costs both ends more
         # than the rest of the request.
         request = pb.QueryHitRequest(
-            token_ids=list(token_ids or ()),
-            block_keys_packed=_packed(block_keys) if block_keys else b"",
-            prompt_len=prompt_len,
-            mode=_MODES[mode],
-            traffic_class=traffic_class,
-            take_lease=take_lease,
+            token_ids=[] if hit.token_ids is None else np.asarray(hit.token_ids).tolist(),
+            block_keys_packed=b"" if hit.block_keys is None else _packed(hit.block_keys),
+            prompt_len=hit.prompt_len,
+            mode=_MODES[hit.mode],
+            traffic_class=hit.traffic_class,
+            take_lease=hit.take_lease,
         )
         reply = self._stub.QueryHit(request, **self._kw())
         plan = reply.plan
         return HitAnswer(
             plan=HitPlan(
                 prompt_len=plan.prompt_len,
-                mode=mode,
+                mode=hit.mode,
                 cap=plan.cap,
                 block_hit_tokens=plan.block_hit_tokens,
                 hit_tokens=plan.hit_tokens,
@@ -127,7 +119,9 @@ class KVStoreClient:
         self, keys: Sequence[bytes], payloads: Sequence[bytes], traffic_class: str = ""
     ) -> PutAnswer:
         if len(keys) != len(payloads):
-            raise ValueError(f"keys/payloads: {len(keys)} keys but {len(payloads)} payloads")
+            raise InvalidArgument(
+                "payloads", f"{len(payloads)} payloads for {len(keys)} keys (one each)"
+            )
 
         def messages() -> Iterator[Any]:
             chunk: list[Any] = []
@@ -148,7 +142,9 @@ class KVStoreClient:
 
         reply = self._stub.PutBlocks(messages(), **self._kw())
         return PutAnswer(
-            committed=reply.committed,
+            stored=reply.committed - reply.existing,
+            existing=reply.existing,
+            busy_keys=tuple(BlockKey(key) for key in reply.busy_keys),
             failed_keys=tuple(BlockKey(key) for key in reply.failed_keys),
         )
 
@@ -182,7 +178,7 @@ class KVStoreClient:
             miss_reason=reply.miss_reason or None,
         )
 
-    def release(self, lease_id: str) -> bool:
+    def release_lease(self, lease_id: str) -> bool:
         reply = self._stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease_id), **self._kw())
         return bool(reply.released)
 
@@ -223,7 +219,7 @@ class KVStoreClient:
         )
 
 
-def _packed(keys: Sequence[bytes]) -> bytes:
+def _packed(keys: Sequence[bytes] | np.ndarray) -> bytes:
     """The keys end to end; a key that is not 32 bytes is an error naming its position (a
     short one would shift every key after it)."""
     return key_words(keys, "block_keys").tobytes()

@@ -1,7 +1,7 @@
 """Prometheus figures of a kvstore gateway: RPC latency and errors, plus the tiers' own stats.
 
 Each server gets its own ``CollectorRegistry`` (no process-global registry: two servers in one
-process, as in tests, do not collide). Tier figures are read from the backend's ``stats()`` at
+process, as in tests, do not collide). Tier figures are read from the tier's ``stats()`` at
 scrape time, so the endpoint and ``kvstore stats`` always show the same numbers.
 """
 
@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore.api.backend import Stats
+from kvstore.tier.records import Stats
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The kvstore gRPC gateway: a ``grpc.aio`` server with auth, TLS, limits, health and reflection.
 
-``create_server(backend, ServerOptions(...)) -> (server, port)``: binds 127.0.0.1 unless told
+``create_server(tier, ServerOptions(...)) -> (server, port)``: binds 127.0.0.1 unless told
 otherwise; port 0 picks a free port (tests). The standard ``grpc.health.v1.Health`` service and
 server reflection are registered so ``grpcurl`` works against it.
 """
@@ -19,11 +19,11 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.api.backend import Backend
 from kvstore.api.metrics import ApiMetrics
 from kvstore.api.servicer import KVStoreServicer
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.errors import ConfigError
+from kvstore.tier.protocols import Tier
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -181,7 +181,7 @@ def add_servicer(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
 
 
 async def create_server(
-    backend: Backend, options: ServerOptions, metrics: ApiMetrics | None = None
+    tier: Tier, options: ServerOptions, metrics: ApiMetrics | None = None
 ) -> tuple[grpc.aio.Server, int, ThreadPoolExecutor]:
     """Build and start the server; returns it, the bound port and its worker pool."""
     interceptors = [BearerTokenInterceptor(options.token)] if options.token else []
@@ -191,7 +191,7 @@ async def create_server(
     ]
     server = grpc.aio.server(interceptors=interceptors, options=message_options)
     executor = ThreadPoolExecutor(options.worker_threads, thread_name_prefix="kvstore-rpc")
-    servicer = KVStoreServicer(backend, executor, options.max_in_flight, metrics)
+    servicer = KVStoreServicer(tier, executor, options.max_in_flight, metrics)
     add_servicer(servicer, server)
 
     health_servicer = health.aio.HealthServicer()

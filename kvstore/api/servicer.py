@@ -1,10 +1,12 @@
-"""The ``kvstore.v1.KVStore`` servicer: validate every field, translate, call the backend.
+"""The ``kvstore.v1.KVStore`` servicer: validate every field, translate, call the tier.
 
-Every malformed request is answered INVALID_ARGUMENT with a message naming the field; errors from
-the backend map to status codes through ``kvstore.errors.grpc_status_name``; anything unexpected
-is logged and answered INTERNAL — the server itself never goes down on input. Backend calls are
-synchronous (they wait on Ray), so they run in the server's bounded thread pool; a request that
-finds the pool full is refused with RESOURCE_EXHAUSTED instead of queueing without bound.
+The tier is anything implementing ``kvstore.tier.protocols.Tier`` (the deployed cluster's
+``ClusterTier`` in ``kvstore up``; a stand-in in the unit tests). Every malformed request is
+answered INVALID_ARGUMENT with a message naming the field; errors from the tier map to status
+codes through ``kvstore.errors.grpc_status_name``; anything unexpected is logged and answered
+INTERNAL — the server itself never goes down on input. Tier calls are synchronous (they wait on
+the cluster), so they run in the server's bounded thread pool; a request that finds the pool full
+is refused with RESOURCE_EXHAUSTED instead of queueing without bound.
 """
 
 from __future__ import annotations
@@ -13,19 +15,20 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 import numpy as np
 
-from kvstore.api.backend import Backend
 from kvstore.api.metrics import ApiMetrics
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidArgument, KVStoreError, Overloaded, grpc_status_name
 from kvstore.keys import KEY_BYTES, BlockKey, block_keys, key_words
+from kvstore.tier.protocols import AsyncHitSource, Tier
+from kvstore.tier.records import HitRequest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,12 +93,14 @@ def _non_negative(value: int, field: str) -> int:
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(
         self,
-        backend: Backend,
+        tier: Tier,
         executor: ThreadPoolExecutor,
         max_in_flight: int,
         metrics: ApiMetrics | None = None,
     ) -> None:
-        self._backend = backend
+        self._tier = tier
+        # A tier that can plan hits on the loop itself (the cluster's) spares the thread hop.
+        self._async_hits = tier if isinstance(tier, AsyncHitSource) else None
         self._executor = executor
         self._max_in_flight = max_in_flight
         self._in_flight = 0
@@ -104,11 +109,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     # --- plumbing ------------------------------------------------------------------------
 
     async def _call(
-        self, method: str, context: Any, work: Callable[[], T], inline: bool = False
+        self,
+        method: str,
+        context: Any,
+        work: Callable[[], T],
+        inline: bool = False,
+        awaited: Callable[[], Awaitable[T]] | None = None,
     ) -> T:
         """Run ``work`` in the pool with admission control; map errors to status codes.
-        ``inline``: work that never blocks (``Backend`` says which) runs on the event loop,
-        sparing the thread hop that would cost more than the work."""
+        ``inline``: work that never blocks (the tier protocol says which) runs on the event loop,
+        sparing the thread hop that would cost more than the work. ``awaited``: the same work
+        as a coroutine the loop runs itself (a tier with an asyncio path), used instead."""
         if self._in_flight >= self._max_in_flight:
             await self._abort(
                 context, method, Overloaded(f"{self._max_in_flight} requests in flight")
@@ -116,6 +127,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._in_flight += 1
         started = time.perf_counter()
         try:
+            if awaited is not None:
+                return await awaited()
             if inline:
                 return work()
             loop = asyncio.get_running_loop()
@@ -150,12 +163,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         keys, prompt_len, mode, traffic_class = await self._validate(
             context, "QueryHit", lambda: self._query_args(request)
         )
+        hit = HitRequest(
+            block_keys=keys,
+            prompt_len=prompt_len,
+            mode=mode,
+            traffic_class=traffic_class,
+            take_lease=request.take_lease,
+        )
+        hits = self._async_hits
         answer = await self._call(
             "QueryHit",
             context,
-            lambda: self._backend.query_hit(
-                keys, prompt_len, mode, traffic_class, request.take_lease
-            ),
+            lambda: self._tier.query_hit(hit),
+            awaited=None if hits is None else lambda: hits.query_hit_async(hit),
         )
         plan = answer.plan
         packed = bool(request.block_keys_packed)
@@ -209,7 +229,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     f"{prompt_len} differs from the {len(request.token_ids)} token_ids given",
                 )
             prompt_len = len(request.token_ids)
-            keys = key_words(block_keys(self._backend.model_fingerprint, list(request.token_ids)))
+            keys = key_words(block_keys(self._tier.model_fingerprint, list(request.token_ids)))
         elif request.block_keys_packed:
             keys = _packed_key_words(request.block_keys_packed, "block_keys_packed")
         else:
@@ -265,10 +285,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         answer = await self._call(
             "PutBlocks",
             context,
-            lambda: self._backend.put_blocks(keys, payloads, traffic_class or ""),
+            lambda: self._tier.put_blocks(keys, payloads, traffic_class or ""),
         )
         return pb.PutBlocksResponse(
-            committed=answer.committed, failed_keys=list(answer.failed_keys)
+            committed=answer.committed,
+            existing=answer.existing,
+            failed_keys=list(answer.failed_keys),
+            busy_keys=list(answer.busy_keys),
         )
 
     async def GetBlocks(self, request: Any, context: Any) -> AsyncIterator[Any]:
@@ -281,7 +304,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             ),
         )
         reads = await self._call(
-            "GetBlocks", context, lambda: self._backend.get_blocks(keys, lease_id)
+            "GetBlocks", context, lambda: self._tier.get_blocks(keys, lease_id)
         )
         for read in reads:
             yield pb.GetBlocksResponse(
@@ -296,10 +319,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         def check() -> tuple[BlockKey, str | None]:
             key = _keys([request.key], "key")[0]
             machine = _short_string(request.machine, "machine", MAX_CLASS_CHARS) or None
-            if len(request.state) != self._backend.state_size:
+            if len(request.state) != self._tier.state_size:
                 raise InvalidArgument(
                     "state",
-                    f"must be exactly {self._backend.state_size} bytes (state_size_to_disk) at "
+                    f"must be exactly {self._tier.state_size} bytes (state_size_to_disk) at "
                     f"position {request.position}, got {len(request.state)}",
                 )
             return key, machine
@@ -308,14 +331,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         owner = await self._call(
             "PutSWAState",
             context,
-            lambda: self._backend.put_swa_state(key, request.position, request.state, machine),
+            lambda: self._tier.put_swa_state(key, request.position, request.state, machine),
         )
         return pb.PutSWAStateResponse(owner=owner)
 
     async def GetSWAState(self, request: Any, context: Any) -> Any:
         key = await self._validate(context, "GetSWAState", lambda: _keys([request.key], "key")[0])
         read = await self._call(
-            "GetSWAState", context, lambda: self._backend.get_swa_state(key, request.position)
+            "GetSWAState", context, lambda: self._tier.get_swa_state(key, request.position)
         )
         return pb.GetSWAStateResponse(
             found=read.state is not None,
@@ -333,14 +356,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
         lease_id = await self._validate(context, "ReleaseLease", check)
         released = await self._call(
-            "ReleaseLease", context, lambda: self._backend.release_lease(lease_id), inline=True
+            "ReleaseLease", context, lambda: self._tier.release_lease(lease_id), inline=True
         )
         return pb.ReleaseLeaseResponse(released=released)
 
     async def GetStats(self, request: Any, context: Any) -> Any:
         import json
 
-        stats = await self._call("GetStats", context, self._backend.stats)
+        stats = await self._call("GetStats", context, self._tier.stats)
         classes = []
         for name, figures in sorted(stats.classes.items()):
             classes.append(

@@ -27,11 +27,13 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvstore.blockstore.fanout import META, NODE
+from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls, meta_target, node_target
+from kvstore.blockstore.fanout import Ticket, gather_async
 from kvstore.blockstore.meta import MetaReply
 from kvstore.blockstore.placement import place
 from kvstore.blockstore.reads import BlockReads
@@ -76,7 +78,8 @@ class BlockStoreClient(BlockReads):
         busy: list[BlockKey] = []
         failed: list[BlockKey] = []
         granted: list[int] = []
-        for shard, (positions, outcome) in self._meta_calls(checked, "begin_put", token).items():
+        reserved = self._meta_calls(checked, MetaShardCalls.begin_put, token)
+        for shard, (positions, outcome) in reserved.items():
             if isinstance(outcome, NodeUnavailable):
                 log.warning("meta shard %d unavailable for put: %s", shard, outcome)
                 failed.extend(checked[p] for p in positions)
@@ -97,7 +100,7 @@ class BlockStoreClient(BlockReads):
             stored.extend(done)
             failed.extend(lost)
             if lost:  # drop their reservations so another writer may try at once
-                self._meta_calls(lost, "abort_put", token)
+                self._meta_calls(lost, MetaShardCalls.abort_put, token)
         self.counters["blocks_stored"] += len(stored)
         self.counters["blocks_put_failed"] += len(failed)
         return PutResult(stored=stored, existing=existing, busy=busy, failed=failed)
@@ -126,8 +129,8 @@ class BlockStoreClient(BlockReads):
             tickets = {}
             for node, items in per_node.items():
                 ticket = self._fanout.submit(
-                    (NODE, node),
-                    "put",
+                    node_target(node),
+                    StorageNodeCalls.put,
                     token,
                     [keys[p] for p, _ in items],
                     [stripes[p][i] for p, i in items],
@@ -167,10 +170,9 @@ class BlockStoreClient(BlockReads):
             for node in placement:
                 per_node[int(node)].append(position)
         tickets = {
-            self._fanout.submit((NODE, node), "commit", token, [keys[p] for p in positions]): (
-                node,
-                positions,
-            )
+            self._fanout.submit(
+                node_target(node), StorageNodeCalls.commit, token, [keys[p] for p in positions]
+            ): (node, positions)
             for node, positions in per_node.items()
         }
         marks: dict[int, int] = defaultdict(int)
@@ -203,8 +205,8 @@ class BlockStoreClient(BlockReads):
         tickets = {}
         for shard, members in groups.items():
             ticket = self._fanout.submit(
-                (META, shard),
-                "commit",
+                meta_target(shard),
+                MetaShardCalls.commit,
                 [subset[m] for m in members],
                 token,
                 placements[members],
@@ -239,41 +241,76 @@ class BlockStoreClient(BlockReads):
         Keys travel as one (n, 4) uint64 array per call and come back as arrays: no Python
         object per key anywhere on this path (at 1,000 keys per request those objects, their
         pickling and the cyclic GC they feed were most of the cost)."""
-        words = [key_words(keys, "keys") for keys, _ in requests]
+        lookups = self._start_lookups(requests)
+        return self._finish_lookups(lookups, self._gather(lookups.tickets, self._timeout))
+
+    async def lookup_many_async(
+        self, requests: Sequence[tuple[Sequence[bytes] | np.ndarray, str | None]]
+    ) -> list[LookupResult]:
+        """``lookup_many`` for a caller on an asyncio loop (the gateway's hit path): the same
+        calls and answers, the waiting done by the loop."""
+        lookups = self._start_lookups(requests)
+        outcomes = await gather_async(self._fanout, lookups.tickets, self._timeout)
+        return self._finish_lookups(lookups, outcomes)
+
+    @property
+    def _timeout(self) -> float:
+        return self.config.call_timeout_s
+
+    def _start_lookups(
+        self, requests: Sequence[tuple[Sequence[bytes] | np.ndarray, str | None]]
+    ) -> _Lookups:
+        """Send one ``lookup_wire`` per meta shard and traffic class for ``requests`` (the
+        deferred releases riding on them)."""
+        lookups = _Lookups([key_words(keys, "keys") for keys, _ in requests])
         down = self.down_nodes()
         by_class: dict[str | None, list[int]] = defaultdict(list)
         for index, (_, traffic_class) in enumerate(requests):
             by_class[traffic_class].append(index)
-        results: list[LookupResult | None] = [None] * len(requests)
-        extras: list[tuple[np.ndarray, np.ndarray]] = []  # leased beyond a prefix: give back
+        riders = self._take_deferred()
         for traffic_class, members in by_class.items():
+            words = lookups.words
             flat = (
                 np.concatenate([words[i] for i in members])
                 if len(members) > 1
                 else words[members[0]]
             )
+            group = len(lookups.groups)
+            lookups.groups.append((members, flat))
+            for shard, positions in self._by_meta_words(flat).items():
+                give_back = riders.pop(shard, (None, None))
+                request = (flat[positions], down, traffic_class, None, *give_back)
+                ticket = self._fanout.submit(
+                    meta_target(shard), MetaShardCalls.lookup_wire, request
+                )
+                lookups.tickets[ticket] = (group, positions)
+        for shard, (words_back, rows_back) in riders.items():  # no lookup to ride on
+            self._fanout.submit(meta_target(shard), MetaShardCalls.release, words_back, rows_back)
+        return lookups
+
+    def _finish_lookups(
+        self, lookups: _Lookups, outcomes: dict[Ticket[tuple[Any, ...]], Any]
+    ) -> list[LookupResult]:
+        """The leading run of each request and a lease on it, from the shards' answers; what
+        was leased beyond a run is given back (deferred)."""
+        results: list[LookupResult | None] = [None] * len(lookups.words)
+        extras: list[tuple[np.ndarray, np.ndarray]] = []  # leased beyond a prefix: give back
+        for group, (members, flat) in enumerate(lookups.groups):
             n = flat.shape[0]
             readable = np.zeros(n, dtype=bool)
             placements = np.full((n, self._width), -1, dtype=np.int32)
             sizes = np.zeros(n, dtype=np.int64)
             rows = np.full(n, -1, dtype=np.int64)
             until = np.full(n, np.inf)  # lease end of the shard that answered the key
-            tickets: dict[Any, np.ndarray] = {}
-            riders = self._take_deferred()
-            for shard, positions in self._by_meta_words(flat).items():
-                give_back = riders.pop(shard, (None, None))
-                request = (flat[positions], down, traffic_class, None, *give_back)
-                ticket = self._fanout.submit((META, shard), "lookup_wire", request)
-                tickets[ticket] = positions
-            for shard, (words_back, rows_back) in riders.items():  # no lookup to ride on
-                self._fanout.submit((META, shard), "release", words_back, rows_back)
-            for ticket, reply in self._gather(tickets, self.config.call_timeout_s).items():
-                if isinstance(reply, NodeUnavailable):
+            for ticket, wire in outcomes.items():
+                answered, at = lookups.tickets[ticket]
+                if answered != group:
+                    continue
+                if isinstance(wire, NodeUnavailable):
                     self.counters["meta_unavailable"] += 1
                     continue
-                reply = MetaReply.from_wire(reply)
+                reply = MetaReply.from_wire(wire)
                 self._learn_down(reply.down)
-                at = tickets[ticket]
                 readable[at] = reply.readable
                 placements[at] = reply.placements
                 sizes[at] = reply.sizes
@@ -283,7 +320,7 @@ class BlockStoreClient(BlockReads):
                     until[at] = reply.lease_until
             start = 0
             for index in members:
-                end = start + words[index].shape[0]
+                end = start + lookups.words[index].shape[0]
                 misses = np.flatnonzero(~readable[start:end])
                 hit = int(misses[0]) if misses.size else end - start
                 beyond = np.flatnonzero(readable[start + hit : end]) + start + hit
@@ -337,7 +374,7 @@ class BlockStoreClient(BlockReads):
     def flush_releases(self) -> None:
         """Send every deferred release now (one call per meta shard, not waited for)."""
         for shard, (words, rows) in self._take_deferred().items():
-            self._fanout.submit((META, shard), "release", words, rows)
+            self._fanout.submit(meta_target(shard), MetaShardCalls.release, words, rows)
 
     def _defer_release(self, words: np.ndarray, rows: np.ndarray) -> None:
         if self.config.release_batch_s == 0:
@@ -389,7 +426,9 @@ class BlockStoreClient(BlockReads):
 
     def _release_words(self, words: np.ndarray, rows: np.ndarray, wait: bool) -> None:
         tickets = {
-            self._fanout.submit((META, shard), "release", words[positions], rows[positions]): shard
+            self._fanout.submit(
+                meta_target(shard), MetaShardCalls.release, words[positions], rows[positions]
+            ): shard
             for shard, positions in self._by_meta_words(words).items()
         }
         if wait:
@@ -400,3 +439,13 @@ def _flat(payload: object) -> memoryview:
     if isinstance(payload, np.ndarray):
         return memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     return memoryview(payload).cast("B")  # type: ignore[arg-type]
+
+
+@dataclass
+class _Lookups:
+    """One round of ``lookup_many`` in flight: the requests' keys, their groups by traffic class
+    (request indices, their keys end to end) and each call's (group, positions in it)."""
+
+    words: list[np.ndarray]
+    groups: list[tuple[list[int], np.ndarray]] = field(default_factory=list)
+    tickets: dict[Ticket[tuple[Any, ...]], tuple[int, np.ndarray]] = field(default_factory=dict)

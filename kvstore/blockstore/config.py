@@ -6,12 +6,12 @@ only place that reads environment variables (``KVSTORE_BLOCKSTORE_<FIELD>``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from kvstore.errors import ConfigError
+from kvstore.gc.config import DEFAULT_CLASSES, DEFAULT_LEASE_S
 
 FsyncPolicy = Literal["always", "batch", "never"]
 _FSYNC_POLICIES = ("always", "batch", "never")
@@ -62,9 +62,11 @@ class BlockStoreConfig:
     #: Storage nodes (failure domains). On one machine: N actors with their own data dirs.
     storage_nodes: int = 12
     meta_shards: int = 4
-    #: Traffic class names; a block's class id is the position of its name here.
-    traffic_classes: tuple[str, ...] = ("default", "agent", "chatbot")
-    lease_seconds: float = 30.0
+    #: Traffic class names; a block's class id is the position of its name here. A deployment
+    #: takes them from its GC policy (``kvstore.config.ServiceConfig``).
+    traffic_classes: tuple[str, ...] = DEFAULT_CLASSES
+    #: How long a lookup's lease protects its blocks (from the GC policy in a deployment).
+    lease_seconds: float = DEFAULT_LEASE_S
     #: Longest any single remote call may take before its node counts as unreachable.
     call_timeout_s: float = 10.0
     #: A read asks the fastest k nodes; shards still missing after this long are asked of the
@@ -185,34 +187,6 @@ class BlockStoreConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> BlockStoreConfig:
         """``KVSTORE_BLOCKSTORE_<FIELD>`` (upper case) overrides; ``..._NODE_<FIELD>`` for the
         storage node part; ``..._TRAFFIC_CLASSES`` is comma-separated."""
-        env = os.environ if environ is None else environ
-        top: dict[str, Any] = {}
-        node: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name == "node":
-                continue
-            raw = env.get(_ENV_PREFIX + f.name.upper())
-            if raw is not None:
-                top[f.name] = _parse(f.name, raw, getattr(cls(), f.name))
-        for f in fields(StorageNodeConfig):
-            raw = env.get(_ENV_PREFIX + "NODE_" + f.name.upper())
-            if raw is not None:
-                node[f.name] = _parse(f"node.{f.name}", raw, getattr(StorageNodeConfig(), f.name))
-        if node:
-            top["node"] = StorageNodeConfig(**node)
-        return cls(**top)
+        from kvstore.config import from_env  # the one environment loader (it imports this)
 
-
-def _parse(name: str, raw: str, default: Any) -> Any:
-    try:
-        if isinstance(default, bool):
-            return raw.lower() in ("1", "true", "yes")
-        if isinstance(default, int):
-            return int(raw)
-        if isinstance(default, float):
-            return float(raw)
-        if isinstance(default, tuple):
-            return tuple(part.strip() for part in raw.split(",") if part.strip())
-    except ValueError:
-        raise ConfigError(name, f"cannot parse {raw!r} as {type(default).__name__}") from None
-    return raw
+        return from_env(cls, _ENV_PREFIX, environ)

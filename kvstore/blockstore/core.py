@@ -8,14 +8,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
+from kvstore.blockstore.calls import MetaShardCalls, meta_target
 from kvstore.blockstore.config import BlockStoreConfig
-from kvstore.blockstore.fanout import META, Fanout
-from kvstore.blockstore.localread import LocalShardReader
+from kvstore.blockstore.fanout import Fanout, Ticket, gather
+from kvstore.blockstore.localread import LocalReadGrant, LocalShardReader
 from kvstore.blockstore.placement import meta_shard_of
 from kvstore.clock import Clock, SystemClock
 from kvstore.ec import Codec
@@ -27,6 +28,9 @@ from kvstore.keys import BlockKey, check_keys, key_words
 
 #: Weight of the newest sample in a node's moving latency estimate.
 _EWMA = 0.2
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class ClientCore:
@@ -52,7 +56,7 @@ class ClientCore:
         self.counters: dict[str, int] = defaultdict(int)
         # Short-circuit reads of co-located nodes (``localread.py``): grants asked, by ticket.
         self._local = LocalShardReader() if config.local_reads else None
-        self._grant_calls: dict[Any, int] = {}
+        self._grant_calls: dict[Ticket[LocalReadGrant | None], int] = {}
         self._grant_asked: dict[int, float] = {}
         self._grant_lock = threading.Lock()  # reads may run in several threads (the gateway)
         # Releases waiting to ride on the next lookup (see ``BlockStoreConfig.release_batch_s``).
@@ -98,24 +102,11 @@ class ClientCore:
 
     # --- plumbing ---------------------------------------------------------------------------
 
-    def _gather(self, tickets: dict[Any, Any], timeout: float) -> dict[Any, Any]:
+    def _gather(
+        self, tickets: Iterable[Ticket[R]], timeout: float
+    ) -> dict[Ticket[R], R | NodeUnavailable]:
         """Wait for every ticket (up to ``timeout``); values are results or NodeUnavailable."""
-        outcomes: dict[Any, Any] = {}
-        deadline = time.monotonic() + timeout
-        pending = set(tickets)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            for ticket in self._fanout.wait(list(pending), left):
-                pending.discard(ticket)
-                try:
-                    outcomes[ticket] = self._fanout.result(ticket)
-                except NodeUnavailable as error:
-                    outcomes[ticket] = error
-        for ticket in pending:
-            outcomes[ticket] = NodeUnavailable(f"{tickets[ticket]} did not answer in {timeout}s")
-        return outcomes
+        return gather(self._fanout, tickets, timeout)
 
     def _by_meta(self, keys: Sequence[BlockKey]) -> dict[int, list[int]]:
         groups = self._by_meta_words(key_words(keys)).items()
@@ -137,13 +128,19 @@ class ClientCore:
         }
 
     def _meta_calls(
-        self, keys: Sequence[BlockKey], method: str, *args: Any
-    ) -> dict[int, tuple[list[int], Any]]:
+        self,
+        keys: Sequence[BlockKey],
+        method: Callable[Concatenate[MetaShardCalls, list[BlockKey], P], R],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> dict[int, tuple[list[int], R | NodeUnavailable]]:
         """Call ``method(keys_of_shard, *args)`` on every meta shard owning some of ``keys``;
         returns shard -> (positions, result or NodeUnavailable)."""
         groups = self._by_meta(keys)
         tickets = {
-            self._fanout.submit((META, shard), method, [keys[p] for p in positions], *args): shard
+            self._fanout.submit(
+                meta_target(shard), method, [keys[p] for p in positions], *args, **kwargs
+            ): shard
             for shard, positions in groups.items()
         }
         outcomes = self._gather(tickets, self.config.call_timeout_s)

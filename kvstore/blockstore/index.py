@@ -31,9 +31,8 @@ so least-recently-used order is exact.
 Key -> row map: an open-addressing (linear probing) table of int32 row numbers, sized a power of
 two and kept at most 70 % full; the slot is chosen by a multiplicative hash of the XOR of the
 key's four words (keys are BLAKE2b digests, but tests and tools use structured keys too). Removal
-leaves a tombstone; the table is rebuilt (vectorised) when live + tombstones pass 70 %. Lookups
-and inserts run as vectorised probe rounds over the whole batch, so a batch of a million keys is
-a few dozen numpy passes, not a million Python steps.
+leaves a tombstone; the table is rebuilt (vectorised) when live + tombstones pass 70 %. Inserts
+run as vectorised probe rounds over the whole batch; lookups in C (``_probe.c``, one pass).
 
 Rows of removed blocks go on a free stack and are reused by the next inserts, so row numbers are
 only meaningful until the next ``remove``. Not thread-safe: a meta shard (one Ray actor, one
@@ -45,6 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Literal
 
 import numpy as np
@@ -52,6 +52,12 @@ import pyarrow as pa
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES, BlockKey, key_words, words_to_keys
+
+_native: ModuleType | None
+try:  # the probe loop in C; without a compiler at install, the numpy reference serves
+    from kvstore.blockstore import _probe as _native
+except ImportError:  # pragma: no cover - the CI machine builds it
+    _native = None
 
 #: Value of the ``class`` column that marks a free (unused) row.
 FREE_CLASS = 255
@@ -70,8 +76,6 @@ _MAX_LOAD = 0.7
 _MIN_TABLE = 1024
 _GROWTH = 1.25
 _HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
-#: A lookup finishes key by key once this few keys are still probing (``_probe_tail``).
-_SCALAR_TAIL = 24
 
 TimeBasis = Literal["last_access", "created"]
 SNAPSHOT_FORMAT = "kvstore.block_index.v1"
@@ -260,7 +264,7 @@ class BlockIndex:
                 # Count the new keys first, then size the table and the columns once, exactly,
                 # instead of growing columns by 25 % per probe round (leaving up to a quarter of
                 # every column unused) or reserving table room for keys that already exist.
-                missing = int((self._probe(keys4, insert=False)[0] < 0).sum())
+                missing = int((self.find(keys4) < 0).sum())
                 self._reserve_slots(missing)
                 self._grow_columns(self._high + max(0, missing - self._free_count))
             else:
@@ -272,9 +276,6 @@ class BlockIndex:
         is_new = np.zeros(n, dtype=bool)
         pending = np.arange(n)
         while pending.size:
-            if not insert and pending.size <= _SCALAR_TAIL:
-                self._probe_tail(keys4, pending, slots, rows)
-                break
             at = slots[pending]
             occupant = table[at].astype(np.int64)
             matched = np.zeros(pending.size, dtype=bool)
@@ -311,28 +312,6 @@ class BlockIndex:
             slots[moving] = (slots[moving] + 1) & mask
             pending = pending[~finished]
         return rows, slots, is_new
-
-    def _probe_tail(
-        self, keys4: np.ndarray, pending: np.ndarray, slots: np.ndarray, rows: np.ndarray
-    ) -> None:
-        """Finish a lookup for the few keys still probing, one at a time: a batch takes as many
-        vectorised rounds as its longest probe chain, and a handful of long chains would
-        otherwise cost a dozen whole-batch rounds."""
-        table = self._table
-        mask = table.size - 1
-        key_column = self._key
-        for index in pending.tolist():
-            slot = int(slots[index])
-            wanted = keys4[index].tolist()
-            while True:
-                occupant = int(table[slot])
-                if occupant == _EMPTY:
-                    break
-                if occupant >= 0 and key_column[occupant].tolist() == wanted:
-                    rows[index] = occupant
-                    break
-                slot = (slot + 1) & mask
-            slots[index] = slot
 
     # --- validation ------------------------------------------------------------------------
 
@@ -454,11 +433,17 @@ class BlockIndex:
         return rows
 
     def find(self, keys: Sequence[BlockKey] | np.ndarray) -> np.ndarray:
-        """Rows of ``keys`` (int64), -1 where a key is absent."""
+        """Rows of ``keys`` (int64), -1 where a key is absent. In C when the extension is built
+        (``_probe.c``: one pass instead of a numpy round per probe step), else ``_probe``."""
         keys4 = keys_to_array(keys)
         if keys4.shape[0] == 0:
             return np.zeros(0, dtype=np.int64)
-        rows, _, _ = self._probe(keys4, insert=False)
+        if _native is None:
+            return self._probe(keys4, insert=False)[0]
+        rows = np.empty(keys4.shape[0], dtype=np.int64)
+        bits = int(self._table.size).bit_length() - 1
+        keys4 = np.ascontiguousarray(keys4)
+        _native.find_rows(self._table, self._key, keys4, rows, int(_HASH_MULTIPLIER), bits)
         return rows
 
     def get(self, rows: Sequence[int] | np.ndarray) -> BlockRecords:

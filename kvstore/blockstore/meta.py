@@ -107,6 +107,8 @@ class MetaShard:
         self._tombstones: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
         self._rebuilding = rebuilding
         self._rebuild_found: dict[bytes, dict[bytes, _Found]] = {}
+        #: Releases that rode on a lookup, applied once its reply is out (``after_reply``).
+        self._after: list[tuple[Any, Any]] = []
         self._rebuild_sources = 0
         #: Some placement may hold -1 (a shard lost to corruption, or unseen in a rebuild).
         self._lost_shards = False
@@ -238,7 +240,7 @@ class MetaShard:
     def _key_array(self, keys: Sequence[bytes] | np.ndarray, argument: str = "keys") -> np.ndarray:
         """``keys`` as (n, 4) uint64 words, each checked to belong to this shard."""
         words = key_words(keys, argument)
-        if words.shape[0]:
+        if words.shape[0] and self.config.meta_shards > 1:  # with one shard, every key is ours
             owners = meta_shard_of(words, self.config.meta_shards)
             wrong = np.flatnonzero(owners != self.shard_id)
             if wrong.size:
@@ -354,8 +356,19 @@ class MetaShard:
 
     def lookup_wire(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
         """``lookup`` with its arguments as one tuple and its reply as ``MetaReply.to_wire``:
-        the form the block client calls across Ray (one argument, no dataclass)."""
-        return self.lookup(*request).to_wire()
+        the form the block client calls across Ray (one argument, no dataclass). The releases
+        riding on it are kept for ``after_reply``: the caller does not wait for them."""
+        keys, down, traffic_class, lease_seconds, *release = request
+        if release and release[0] is not None:
+            self._after.append((release[0], release[1] if len(release) > 1 else None))
+        return self.lookup(keys, down, traffic_class, lease_seconds).to_wire()
+
+    def after_reply(self) -> None:
+        """Apply the releases that rode on the lookups answered since the last call (a lease
+        released a moment late only protects its blocks from the GC a moment longer)."""
+        pending, self._after = self._after, []
+        for keys, rows in pending:
+            self.release(keys, rows)
 
     def locate(
         self,

@@ -19,12 +19,14 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls, node_target
 from kvstore.blockstore.core import ClientCore
-from kvstore.blockstore.fanout import NODE
+from kvstore.blockstore.fanout import Ticket
 from kvstore.blockstore.localread import LocalReadGrant, LocalShardReader
 from kvstore.blockstore.node import split_files
 from kvstore.blockstore.records import (
     BlockLocation,
+    BlockReadOutcome,
     Lease,
 )
 from kvstore.blockstore.shardfile import (
@@ -68,6 +70,13 @@ class BlockReads(ClientCore):
 
         With ``lease`` (from ``lookup``) the shard locations it carries save a meta round trip.
         """
+        return self.read(keys, lease).payloads
+
+    def read(self, keys: Sequence[bytes], lease: Lease | None = None) -> BlockReadOutcome:
+        """``get_blocks`` plus, for each block, whether it was degraded: served although a data
+        shard's node was down, so parity stood in (a hedged read of a healthy stripe may decode
+        from parity too; that is not degraded). Per call, so concurrent readers each learn about
+        their own blocks."""
         checked = self._check_keys(keys)
         known = {key: row for row, key in enumerate(lease.block_keys)} if lease else {}
         locations: list[BlockLocation | None] = [None] * len(checked)
@@ -83,23 +92,24 @@ class BlockReads(ClientCore):
             located = self._locate([checked[p] for p in unknown], lease)
             for p, loc in zip(unknown, located, strict=True):
                 locations[p] = loc
-        out = self._fetch(locations)
+        out, degraded = self._fetch(locations)
         if known:  # a lease's placement may predate a repair: re-locate and retry misses
             stale = [p for p, payload in enumerate(out) if payload is None and checked[p] in known]
             if stale:
                 fresh = self._locate([checked[p] for p in stale], lease)
-                retry = self._fetch(fresh)
-                for p, payload in zip(stale, retry, strict=True):
-                    out[p] = payload
+                retry, retry_degraded = self._fetch(fresh)
+                for p, payload, was in zip(stale, retry, retry_degraded, strict=True):
+                    out[p], degraded[p] = payload, was
         self.counters["get_blocks"] += len(checked)
         self.counters["get_misses"] += sum(1 for payload in out if payload is None)
-        return out
+        self.counters["degraded_blocks"] += sum(degraded)
+        return BlockReadOutcome(out, degraded)
 
     def _locate(self, keys: list[BlockKey], lease: Lease | None) -> list[BlockLocation | None]:
         out: list[BlockLocation | None] = [None] * len(keys)
         until = lease.until if lease is not None else None
         for _shard, (positions, reply) in self._meta_calls(
-            keys, "locate", self.down_nodes(), None, until
+            keys, MetaShardCalls.locate, self.down_nodes(), None, until
         ).items():
             if isinstance(reply, NodeUnavailable):
                 self.counters["meta_unavailable"] += 1
@@ -143,7 +153,10 @@ class BlockReads(ClientCore):
             candidates.sort(key=lambda index: placement[index] in slow)
         return candidates
 
-    def _fetch(self, locations: Sequence[BlockLocation | None]) -> list[np.ndarray | None]:
+    def _fetch(
+        self, locations: Sequence[BlockLocation | None]
+    ) -> tuple[list[np.ndarray | None], list[bool]]:
+        """The blocks at ``locations`` (None: a miss) and whether each was degraded."""
         # One allocation for every block of the batch, each block a view of it. An array per
         # block is fresh memory each read (glibc hands small ones back to the kernel when freed
         # in bulk; large ones are mmaps), and fresh pages fault on first touch, which cost
@@ -172,7 +185,14 @@ class BlockReads(ClientCore):
                 if rest[position] is not None:
                     out[position] = read
         arena.flags.writeable = False  # so no view of it can be made writeable again
-        return out
+        # ``down`` now holds every node seen down during this read, too.
+        degraded = [
+            payload is not None
+            and location is not None
+            and any(node < 0 or node in down for node in location.placement[: self._k])
+            for payload, location in zip(out, locations, strict=True)
+        ]
+        return out, degraded
 
     def _read_local_blocks(
         self,
@@ -231,11 +251,6 @@ class BlockReads(ClientCore):
                 if batch and used:
                     done.update(self._read_local_batch(locations, slots, local, batch, size))
         self.counters["local_fast_blocks"] += len(done)
-        for position in done:  # served with a data shard's node down: parity stood in
-            location = locations[position]
-            assert location is not None
-            if any(node < 0 or node in down for node in location.placement[:k]):
-                self.counters["degraded_blocks"] += 1
         return done
 
     def _read_local_batch(
@@ -316,7 +331,7 @@ class BlockReads(ClientCore):
         have = np.zeros(n, dtype=np.int64)
         outstanding = np.zeros(n, dtype=np.int64)
         slow = self._slow_nodes()
-        calls: dict[Any, _Call] = {}
+        calls: dict[Ticket[tuple[np.ndarray, np.ndarray]], _Call] = {}
         file_bytes = [
             0 if loc is None else SHARD_FILE_HEAD_BYTES + fragment_length(loc.size, self._k)
             for loc in locations
@@ -372,7 +387,7 @@ class BlockReads(ClientCore):
                     if not items:
                         continue
                 keys = [locations[p].key for p, _ in items]  # type: ignore[union-attr]
-                ticket = self._fanout.submit((NODE, node), "get", keys)
+                ticket = self._fanout.submit(node_target(node), StorageNodeCalls.get, keys)
                 calls[ticket] = _Call(node, items, time.monotonic())
 
         def short(include_outstanding: bool) -> dict[int, int]:
@@ -437,16 +452,6 @@ class BlockReads(ClientCore):
             second = self._fetch_remaining(locations, retry, asked, files, down)
             for position, payload in second.items():
                 out[position] = payload
-        # Degraded: served although a data shard's node was down, so parity had to stand in.
-        # (Hedged reads of a healthy stripe may decode from parity too; that is not degraded.)
-        degraded = sum(
-            1
-            for p, location in enumerate(locations)
-            if out[p] is not None
-            and location is not None
-            and any(node < 0 or node in down for node in location.placement[: self._k])
-        )
-        self.counters["degraded_blocks"] += degraded
         return out
 
     def _local_reader(self) -> LocalShardReader | None:
@@ -479,7 +484,8 @@ class BlockReads(ClientCore):
             if now - self._grant_asked.get(node, -np.inf) < self.config.node_retry_s:
                 continue
             self._grant_asked[node] = now
-            self._grant_calls[self._fanout.submit((NODE, node), "local_read_grant")] = node
+            ticket = self._fanout.submit(node_target(node), StorageNodeCalls.local_read_grant)
+            self._grant_calls[ticket] = node
 
     def _fetch_remaining(
         self,
@@ -498,8 +504,8 @@ class BlockReads(ClientCore):
                 per_node[location.placement[index]].append((position, index))
         tickets = {
             self._fanout.submit(
-                (NODE, node),
-                "get",
+                node_target(node),
+                StorageNodeCalls.get,
                 [locations[p].key for p, _ in items],  # type: ignore[union-attr]
             ): items
             for node, items in per_node.items()

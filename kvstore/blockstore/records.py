@@ -109,6 +109,14 @@ class LookupResult:
 
 
 @dataclass(frozen=True)
+class BlockReadOutcome:
+    """What one ``read`` got: each block's payload (None: a miss) and whether it was degraded."""
+
+    payloads: list[np.ndarray | None]
+    degraded: list[bool]
+
+
+@dataclass(frozen=True)
 class PutResult:
     stored: list[BlockKey] = field(default_factory=list)
     existing: list[BlockKey] = field(default_factory=list)  # committed before: not rewritten

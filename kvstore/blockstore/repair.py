@@ -20,12 +20,13 @@ import secrets
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls, meta_target, node_target
 from kvstore.blockstore.config import BlockStoreConfig
-from kvstore.blockstore.fanout import META, NODE, Fanout
+from kvstore.blockstore.fanout import Fanout, Ticket, gather
 from kvstore.blockstore.node import split_files
 from kvstore.blockstore.placement import meta_shard_of, replacement
 from kvstore.blockstore.records import StripeRecord
@@ -35,6 +36,8 @@ from kvstore.ec import Codec
 from kvstore.errors import NodeDead, NodeUnavailable, StoreError, TooFewShards
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 class HealthTracker:
@@ -87,24 +90,15 @@ class Repairer:
     def set_nodes(self, node_ids: Iterable[int]) -> None:
         self._nodes = sorted({int(node) for node in node_ids})
 
-    def _gather(self, tickets: dict[Any, Any]) -> dict[Any, Any]:
-        outcomes: dict[Any, Any] = {}
-        deadline = time.monotonic() + self.config.call_timeout_s
-        pending = set(tickets)
-        while pending and time.monotonic() < deadline:
-            for ticket in self._fanout.wait(list(pending), deadline - time.monotonic()):
-                pending.discard(ticket)
-                try:
-                    outcomes[ticket] = self._fanout.result(ticket)
-                except NodeUnavailable as error:
-                    outcomes[ticket] = error
-        for ticket in pending:
-            outcomes[ticket] = NodeUnavailable(f"{tickets[ticket]} timed out")
-        return outcomes
+    def _gather(self, tickets: Iterable[Ticket[R]]) -> dict[Ticket[R], R | NodeUnavailable]:
+        return gather(self._fanout, tickets, self.config.call_timeout_s)
 
     def probe(self, health: HealthTracker) -> None:
         """One round of health checks of every node."""
-        tickets = {self._fanout.submit((NODE, node), "ping"): node for node in self._nodes}
+        tickets = {
+            self._fanout.submit(node_target(node), StorageNodeCalls.ping): node
+            for node in self._nodes
+        }
         for ticket, outcome in self._gather(tickets).items():
             node = tickets[ticket]
             if isinstance(outcome, NodeUnavailable):
@@ -117,7 +111,9 @@ class Repairer:
         readable) and which are not."""
         up = [node for node in self._nodes if node not in dead]
         tickets = {
-            self._fanout.submit((META, shard), "mark_nodes", sorted(dead), up): shard
+            self._fanout.submit(
+                meta_target(shard), MetaShardCalls.mark_nodes, sorted(dead), up
+            ): shard
             for shard in range(self.config.meta_shards)
         }
         self._gather(tickets)
@@ -127,14 +123,17 @@ class Repairer:
         its node) is recorded lost in its meta shard, so ``step`` re-creates it. Returns the
         number of corrupt shards found."""
         live = [node for node in self._nodes if node not in dead]
-        tickets = {self._fanout.submit((NODE, node), "scrub", limit): node for node in live}
+        tickets = {
+            self._fanout.submit(node_target(node), StorageNodeCalls.scrub, limit): node
+            for node in live
+        }
         moves: dict[int, list[tuple[bytes, int, int, int]]] = defaultdict(list)
         for ticket, outcome in self._gather(tickets).items():
             if isinstance(outcome, NodeUnavailable):
                 continue
             node = tickets[ticket]
-            corrupt = list(outcome.get("corrupt", []))
-            if not corrupt:
+            corrupt = outcome.get("corrupt")
+            if not isinstance(corrupt, list) or not corrupt:
                 continue
             owners = meta_shard_of([key for key, _ in corrupt], self.config.meta_shards)
             for (key, index), owner in zip(corrupt, owners, strict=True):
@@ -142,7 +141,7 @@ class Repairer:
         found = sum(len(batch) for batch in moves.values())
         self._gather(
             {
-                self._fanout.submit((META, shard), "set_placements", batch): shard
+                self._fanout.submit(meta_target(shard), MetaShardCalls.set_placements, batch): shard
                 for shard, batch in moves.items()
             }
         )
@@ -156,7 +155,11 @@ class Repairer:
         per_shard = max(1, self.config.repair_batch // self.config.meta_shards)
         tickets = {
             self._fanout.submit(
-                (META, shard), "stripes_to_repair", sorted(dead), per_shard, self._cursor[shard]
+                meta_target(shard),
+                MetaShardCalls.stripes_to_repair,
+                sorted(dead),
+                per_shard,
+                self._cursor[shard],
             ): shard
             for shard in range(self.config.meta_shards)
         }
@@ -190,17 +193,18 @@ class Repairer:
                 taken.add(target)
                 writes[target].append((position, index, encoded[index], digest))
         moves = self._write_shards(stripes, writes)
-        moved_tickets = {}
         by_shard: dict[int, list[tuple[bytes, int, int, int]]] = defaultdict(list)
         for shard, move in moves:
             by_shard[shard].append(move)
-        for shard, batch in by_shard.items():
-            moved_tickets[self._fanout.submit((META, shard), "set_placements", batch)] = batch
+        moved_tickets = {
+            self._fanout.submit(meta_target(shard), MetaShardCalls.set_placements, batch): batch
+            for shard, batch in by_shard.items()
+        }
         repaired_stripes: set[bytes] = set()
-        for ticket, outcome in self._gather(moved_tickets).items():
-            if isinstance(outcome, NodeUnavailable):
+        for moved, acks in self._gather(moved_tickets).items():
+            if isinstance(acks, NodeUnavailable):
                 continue
-            for (key, _index, _node, _old), ok in zip(moved_tickets[ticket], outcome, strict=True):
+            for (key, _index, _node, _old), ok in zip(moved_tickets[moved], acks, strict=True):
                 if ok:
                     result["shards"] += 1
                     repaired_stripes.add(bytes(key))
@@ -224,7 +228,9 @@ class Repairer:
                     per_node[int(node)].append((position, index))
         files: list[list[Any]] = [[None] * self.config.stripe_width for _ in stripes]
         tickets = {
-            self._fanout.submit((NODE, node), "get", [stripes[p].key for p, _ in items]): items
+            self._fanout.submit(
+                node_target(node), StorageNodeCalls.get, [stripes[p].key for p, _ in items]
+            ): items
             for node, items in per_node.items()
         }
         for ticket, outcome in self._gather(tickets).items():
@@ -265,8 +271,8 @@ class Repairer:
         put_tickets = {}
         for node, items in writes.items():
             ticket = self._fanout.submit(
-                (NODE, node),
-                "put",
+                node_target(node),
+                StorageNodeCalls.put,
                 token,
                 [stripes[p][1].key for p, _, _, _ in items],
                 [shard for _, _, shard, _ in items],
@@ -286,7 +292,10 @@ class Repairer:
                     written[node].append((position, index))
         commit_tickets = {
             self._fanout.submit(
-                (NODE, node), "commit", token, [stripes[p][1].key for p, _ in landed]
+                node_target(node),
+                StorageNodeCalls.commit,
+                token,
+                [stripes[p][1].key for p, _ in landed],
             ): (node, landed)
             for node, landed in written.items()
         }

@@ -23,6 +23,7 @@ import numpy as np
 from kvstore.api.client import KVStoreClient
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey
+from kvstore.tier.records import HitRequest
 
 _TOKENS_PER_BLOCK = 128
 
@@ -179,7 +180,7 @@ class _Client:
                     self._timed(
                         "QueryHit",
                         lambda p=prefix, n=length: self._client.query_hit(
-                            block_keys=p, prompt_len=n, take_lease=False
+                            HitRequest(block_keys=p, prompt_len=n, take_lease=False)
                         ),
                     )
                 elif choice < 0.85:

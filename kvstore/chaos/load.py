@@ -2,9 +2,10 @@
 
 Writers put fresh blocks (``payload_for`` bytes) and add what was acknowledged to the ledger;
 readers read random committed blocks and classify each read: bit-exact, a miss, or wrong. Each
-thread has its own client (clients are not shared across threads). Loops are bounded by a stop
-event, a deadline and an operation budget, and an exception escaping a client call — the client
-promises never to raise for node failures — is counted, never swallowed silently.
+thread has its own tier facade (``ChaosTier.facade``: the seam engines use, over a block client of
+its own). Loops are bounded by a stop event, a deadline and an operation budget, and an exception
+escaping a tier call — the tier promises never to raise for node failures — is counted, never
+swallowed silently.
 """
 
 from __future__ import annotations
@@ -147,23 +148,23 @@ class LoadGenerator:
                 self.stats.error_messages.append(message)
 
     def _write_loop(self, index: int) -> None:
-        client = self._tier.handles.client()
+        writer = self._tier.facade()  # through the tier seam, as an engine writes
         rng = random.Random(self._seed * 1000 + index)
         while self._running():
             keys = [BlockKey(rng.randbytes(32)) for _ in range(self._config.put_batch)]
             try:
-                result = self._tier.put(keys, self._config.traffic_class, client)
-            except Exception as error:  # the client must not raise for node failures
+                answer = self._tier.put(keys, self._config.traffic_class, writer)
+            except Exception as error:  # the tier must not raise for node failures
                 self._error(f"put raised {type(error).__name__}: {error}")
                 continue
             with self._lock:
                 self.stats.operations += len(keys)
-                self.stats.puts_ok += len(result.stored)
-                self.stats.puts_failed += len(result.failed) + len(result.busy)
+                self.stats.puts_ok += answer.stored
+                self.stats.puts_failed += len(answer.failed_keys) + len(answer.busy_keys)
             self._stop.wait(self._config.pause_s)
 
     def _read_loop(self, index: int) -> None:
-        client = self._tier.handles.client()
+        reader = self._tier.facade()  # through the tier seam, as an engine reads
         rng = random.Random(self._seed * 1000 + 500 + index)
         ledger = self._tier.ledger
         while self._running():
@@ -173,7 +174,7 @@ class LoadGenerator:
                 continue
             started = time.monotonic()
             try:
-                reads = client.get_blocks(keys)
+                reads = [read.payload for read in reader.get_blocks(keys)]
             except Exception as error:
                 self._error(f"get raised {type(error).__name__}: {error}")
                 continue

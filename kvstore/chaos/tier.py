@@ -26,9 +26,7 @@ import numpy as np
 import ray
 from ray.exceptions import RayError
 
-from kvstore.blockstore.client import BlockStoreClient
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
-from kvstore.blockstore.records import PutResult
 from kvstore.chaos.ledger import Ledger, ReadCheck, payload_for
 from kvstore.errors import ConfigError, InvalidArgument, StoreError
 from kvstore.geometry import GeometryConfig
@@ -37,13 +35,17 @@ from kvstore.runtime.blockstore_actors import find_actor, node_actor_name
 from kvstore.runtime.cluster import LocalCluster, alive_node_ids
 from kvstore.runtime.deploy import BlockStoreHandles, deploy_blockstore, node_data_dir
 from kvstore.runtime.swa_actors import SWADeployment, deploy_swa, store_actor_name
+from kvstore.runtime.tiers import cluster_tier
 from kvstore.swa.client import SWAClient
 from kvstore.swa.config import SWAConfig
+from kvstore.tier.cluster import ClusterTier
+from kvstore.tier.protocols import TierReader, TierWriter
+from kvstore.tier.records import PutAnswer
 
 log = logging.getLogger(__name__)
 
 #: One V4.1-Flash block (SPEC §3): what an engine stores per 128 tokens.
-DEFAULT_BLOCK_BYTES = 113_920
+DEFAULT_BLOCK_BYTES = GeometryConfig.default().block_bytes
 MIN_MACHINES = 13
 
 
@@ -190,6 +192,7 @@ class ChaosTier:
         self.node_machine = dict(node_machine)
         self.ledger = Ledger()
         self.client = handles.client()
+        self._facade = cluster_tier(handles, swa, self.geometry)
         self._key_counter = 0
         self._rng = np.random.default_rng(config.seed)
 
@@ -289,40 +292,43 @@ class ChaosTier:
         self,
         keys: Sequence[bytes],
         traffic_class: str = "default",
-        client: BlockStoreClient | None = None,
-    ) -> PutResult:
-        """Put ``payload_for(key)`` under each key; committed ones enter the ledger."""
+        writer: TierWriter | None = None,
+    ) -> PutAnswer:
+        """Put ``payload_for(key)`` under each key through the tier seam (``writer``, by default
+        this tier's own facade); committed ones enter the ledger."""
         size = self.config.block_bytes
-        payloads = [payload_for(key, size) for key in keys]
-        result = (client or self.client).put_blocks(list(keys), payloads, traffic_class)
-        self.ledger.add([*result.stored, *result.existing], size, traffic_class)
-        return result
+        payloads = [payload_for(key, size).tobytes() for key in keys]
+        answer = (writer or self._facade).put_blocks(list(keys), payloads, traffic_class)
+        self.ledger.add(answer.committed_keys(keys), size, traffic_class)
+        return answer
 
     def put_fresh(self, count: int, traffic_class: str = "default") -> list[BlockKey]:
         """Commit ``count`` new blocks (in batches); raises if the healthy tier refuses any."""
         keys = self.new_keys(count)
         for start in range(0, count, 32):
             chunk = keys[start : start + 32]
-            result = self.put(chunk, traffic_class)
-            if len(result.stored) != len(chunk):
+            answer = self.put(chunk, traffic_class)
+            if answer.stored != len(chunk):
                 raise StoreError(
-                    f"healthy tier committed {len(result.stored)} of {len(chunk)} blocks "
-                    f"(failed {len(result.failed)}, busy {len(result.busy)})"
+                    f"healthy tier committed {answer.stored} of {len(chunk)} blocks "
+                    f"(failed {len(answer.failed_keys)}, busy {len(answer.busy_keys)})"
                 )
         return keys
 
     def read(
-        self, keys: Sequence[bytes] | None = None, client: BlockStoreClient | None = None
+        self, keys: Sequence[bytes] | None = None, reader: TierReader | None = None
     ) -> ReadCheck:
-        """Read ``keys`` (default: the whole ledger) in batches and classify every read."""
+        """Read ``keys`` (default: the whole ledger) in batches through the tier seam
+        (``reader``, by default this tier's own facade) and classify every read."""
         keys = self.ledger.keys() if keys is None else list(keys)
-        client = client or self.client
+        reader = reader or self._facade
         ok = misses = wrong = 0
         missed: list[BlockKey] = []
         wrong_keys: list[BlockKey] = []
         for start in range(0, len(keys), 64):
             chunk = keys[start : start + 64]
-            check = self.ledger.check(chunk, client.get_blocks(chunk))
+            reads = [read.payload for read in reader.get_blocks(chunk)]
+            check = self.ledger.check(chunk, reads)
             ok += check.ok
             misses += check.misses
             wrong += check.wrong
@@ -370,9 +376,9 @@ class ChaosTier:
         )
         return {int(n) for s in stats for n in s.get("down_nodes", ())}
 
-    def fresh_client(self) -> BlockStoreClient:
-        """A client that has seen nothing yet (no node it skips, current actor handles)."""
-        return self.handles.client()
+    def fresh_reader(self) -> ClusterTier:
+        """A reader that has seen nothing yet (no node it skips, current actor handles)."""
+        return self.facade()
 
     def metas_ready(self) -> bool:
         return all(
@@ -458,6 +464,11 @@ class ChaosTier:
 
     def swa_client(self, local_machine: str | None = None) -> SWAClient:
         return self.swa.client(local_machine=local_machine)
+
+    def facade(self, local_machine: str | None = None) -> ClusterTier:
+        """The tier seam over this deployment, as the gateway and the engines use it (a fresh
+        block client: one per thread)."""
+        return cluster_tier(self.handles, self.swa, self.geometry, local_machine=local_machine)
 
     def restart_node(self, node_id: int) -> None:
         """(Re)create storage node ``node_id`` on its data dir, wherever it was pinned."""
@@ -546,6 +557,7 @@ class ChaosTier:
                 self._restart_store(machine)
         # The driver's client may still skip nodes it saw fail; forget that.
         self.client = self.handles.client()
+        self._facade = cluster_tier(self.handles, self.swa, self.geometry)
         return time.monotonic() - started
 
 

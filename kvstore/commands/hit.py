@@ -11,6 +11,7 @@ import numpy as np
 
 from kvstore.commands._client import add_client_arguments, connect, print_json, rpc_error
 from kvstore.errors import InvalidArgument
+from kvstore.tier.records import HitRequest
 
 NAME = "hit"
 HELP = "ask a running kvstore how much of a prompt is cached (QueryHit)"
@@ -70,10 +71,12 @@ def run(args: argparse.Namespace) -> int:
     with connect(args) as client:
         try:
             answer = client.query_hit(
-                token_ids=tokens.tolist(),
-                mode=args.mode,
-                traffic_class=args.traffic_class,
-                take_lease=not args.no_lease,
+                HitRequest(
+                    token_ids=tokens.tolist(),
+                    mode=args.mode,
+                    traffic_class=args.traffic_class,
+                    take_lease=not args.no_lease,
+                )
             )
         except grpc.RpcError as error:
             raise rpc_error(error, args.server) from None

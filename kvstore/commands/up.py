@@ -11,8 +11,9 @@ from pathlib import Path
 from types import FrameType
 
 from kvstore.api.server import ServerOptions, read_token_file
+from kvstore.config import ServiceConfig
 from kvstore.errors import ConfigError, InvalidArgument
-from kvstore.geometry import PRESET_NAMES, GeometryConfig
+from kvstore.geometry import PRESET_NAMES
 
 NAME = "up"
 HELP = "start or join a Ray cluster, deploy kvstore and serve its gRPC API (Ctrl-C stops)"
@@ -29,7 +30,13 @@ expose it beyond loopback only with --token-file (bearer token) and TLS.
   kvstore up --address auto --host 0.0.0.0 --token-file /etc/kvstore/token \\
              --tls-cert server.pem --tls-key server.key
 
-Restarting on the same --data-dir serves every committed block again."""
+Restarting on the same --data-dir serves every committed block again.
+
+Every setting without a flag comes from the environment: KVSTORE_BLOCKSTORE_<FIELD> (block tier,
+e.g. KVSTORE_BLOCKSTORE_CALL_TIMEOUT_S=5, KVSTORE_BLOCKSTORE_NODE_CAPACITY_BYTES=...),
+KVSTORE_SWA_<FIELD> (SWA tier), KVSTORE_<FIELD> (model geometry, e.g. KVSTORE_PRESET) and
+KVSTORE_GC_FILE (a gc.toml: traffic classes, TTLs, lease length). A flag given wins over the
+environment."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir", type=Path, default=Path("kvstore-data"), help="root of the shard files"
     )
-    parser.add_argument("--deployment", default="kvstore", help="name of this deployment")
-    parser.add_argument("--storage-nodes", type=int, default=12, help="storage nodes (≥ 12)")
+    parser.add_argument("--deployment", help="name of this deployment (default kvstore)")
+    parser.add_argument("--storage-nodes", type=int, help="storage nodes (≥ 12; default 12)")
     parser.add_argument(
         "--meta-shards",
         type=int,
@@ -48,9 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="meta shards (default: one per 2 CPUs of the Ray cluster, 1 to 8: each is a "
         "single-threaded actor, and more than the cores can run only adds per-call work)",
     )
-    parser.add_argument("--preset", default="v4.1-flash", choices=PRESET_NAMES, help="model")
+    parser.add_argument("--preset", choices=PRESET_NAMES, help="model (default v4.1-flash)")
     parser.add_argument(
-        "--fsync", choices=["always", "batch", "never"], default="batch", help="shard fsync policy"
+        "--fsync", choices=["always", "batch", "never"], help="shard fsync policy (default batch)"
     )
     parser.add_argument("--token-file", type=Path, help="require this bearer token")
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
@@ -87,27 +94,31 @@ def run(args: argparse.Namespace) -> int:
     options = _options(args)
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise InvalidArgument("--metrics-port", f"must be in [0, 65535], got {args.metrics_port}")
-    from kvstore.runtime.cluster import connect
-    from kvstore.runtime.service import Gateway, Service, ServiceConfig
+    from kvstore.api.gateway import Gateway
+    from kvstore.runtime.cluster import cluster_cpus, connect
+    from kvstore.runtime.service import Service
 
-    config = ServiceConfig(  # checked before Ray starts: a bad flag costs no cluster
-        data_root=args.data_dir.resolve(),
-        deployment=args.deployment,
-        storage_nodes=args.storage_nodes,
-        meta_shards=1 if args.meta_shards is None else args.meta_shards,
-        fsync=args.fsync,
-        geometry=GeometryConfig(preset=args.preset),
-        run_gc=not args.no_gc,
-    )
+    try:  # checked before Ray starts: a bad flag or variable costs no cluster
+        config = ServiceConfig.from_env(
+            data_root=args.data_dir.resolve(),
+            deployment=args.deployment,
+            storage_nodes=args.storage_nodes,
+            meta_shards=1 if args.meta_shards is None else args.meta_shards,
+            fsync=args.fsync,
+            preset=args.preset,
+            run_gc=not args.no_gc,
+        )
+    except ConfigError as error:
+        flag = f"--{error.field.replace('_', '-')}"
+        name = flag if hasattr(args, error.field) else error.field
+        raise InvalidArgument(name, error.detail) from None
     connect(args.address)
     if args.meta_shards is None:
-        import ray
-
-        cpus = int(ray.cluster_resources().get("CPU", 2))
-        config = dataclasses.replace(config, meta_shards=meta_shards_for(cpus))
+        blocks = config.blockstore.with_overrides(meta_shards=meta_shards_for(cluster_cpus()))
+        config = dataclasses.replace(config, blockstore=blocks)
     print(
-        f"kvstore: deploying {config.storage_nodes} storage nodes and {config.meta_shards} meta "
-        f"shard(s) under {config.data_root} ..."
+        f"kvstore: deploying {config.blockstore.storage_nodes} storage nodes and "
+        f"{config.blockstore.meta_shards} meta shard(s) under {config.data_root} ..."
     )
     service = Service.start(config, address=args.address)
     stop = threading.Event()
@@ -118,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        gateway = Gateway(service, options, args.metrics_port)
+        gateway = Gateway(service.tier, options, args.metrics_port)
         try:
             scheme = "TLS" if options.tls_cert else "plaintext"
             print(f"kvstore: serving kvstore.v1.KVStore on {gateway.address} ({scheme})")

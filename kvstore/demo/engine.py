@@ -1,4 +1,5 @@
-"""A simulated inference engine that uses kvstore over gRPC the way a real one would.
+"""A simulated inference engine that uses kvstore the way a real one would, through the tier seam
+(``kvstore.tier.protocols.EngineTier``: in the demo, the gRPC client).
 
 Per request it asks ``QueryHit`` how much of the prompt is cached, loads the hit blocks it does not
 already hold in its own (simulated) GPU prefix cache with ``GetBlocks``, fetches the SWA state when
@@ -16,9 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.api.client import KVStoreClient
 from kvstore.demo.workload import Request
 from kvstore.keys import BLOCK_TOKENS, BlockKey, block_keys
+from kvstore.tier.protocols import EngineTier
+from kvstore.tier.records import HitRequest
 
 
 def expected_payload(key: bytes, size: int) -> bytes:
@@ -72,7 +74,7 @@ class SimEngine:
     def __init__(
         self,
         name: str,
-        client: KVStoreClient,
+        tier: EngineTier,
         model_fingerprint: bytes,
         block_bytes: int,
         state_bytes: int,
@@ -80,7 +82,7 @@ class SimEngine:
         mode: str = "standard",
     ) -> None:
         self.name = name
-        self._client = client
+        self._tier = tier
         self._fingerprint = model_fingerprint
         self._block_bytes = block_bytes
         self._state_bytes = state_bytes
@@ -90,12 +92,14 @@ class SimEngine:
     def serve(self, index: int, request: Request, after_failure: bool) -> RequestOutcome:
         keys = block_keys(self._fingerprint, request.tokens)
         started = time.perf_counter()
-        answer = self._client.query_hit(
-            block_keys=keys,
-            prompt_len=request.prompt_len,
-            mode=self._mode,
-            traffic_class=request.traffic_class,
-            take_lease=True,
+        answer = self._tier.query_hit(
+            HitRequest(
+                block_keys=keys,
+                prompt_len=request.prompt_len,
+                mode=self._mode,
+                traffic_class=request.traffic_class,
+                take_lease=True,
+            )
         )
         query_s = time.perf_counter() - started
         plan = answer.plan
@@ -105,7 +109,7 @@ class SimEngine:
         fetch_s: float | None = None
         if wanted:
             started = time.perf_counter()
-            reads = self._client.get_blocks(wanted, lease_id=answer.lease_id)
+            reads = self._tier.get_blocks(wanted, lease_id=answer.lease_id)
             fetch_s = time.perf_counter() - started
             for read in reads:
                 if read.payload is None:
@@ -116,7 +120,7 @@ class SimEngine:
                 degraded += int(read.degraded)
                 self._cache.add(read.key)
         elif answer.lease_id:
-            self._client.release(answer.lease_id)
+            self._tier.release_lease(answer.lease_id)
         if load_errors:
             # Blocks that failed to load are recomputed from the first failure on.
             first_bad = next(i for i, key in enumerate(keys[:hit_blocks]) if key not in self._cache)
@@ -125,7 +129,7 @@ class SimEngine:
             compute_from = plan.compute_from
             if plan.swa_hit and plan.swa_position is not None:
                 state_key = state_key_at(keys, plan.swa_position)
-                state = self._client.get_swa_state(state_key, plan.swa_position)
+                state = self._tier.get_swa_state(state_key, plan.swa_position)
                 if state.state is not None and state.state != expected_payload(
                     state_key, self._state_bytes
                 ):
@@ -133,7 +137,7 @@ class SimEngine:
         new_keys = keys[compute_from // BLOCK_TOKENS :]
         fresh = [key for key in new_keys if key not in self._cache]
         if fresh:
-            self._client.put_blocks(
+            self._tier.put_blocks(
                 fresh,
                 [expected_payload(key, self._block_bytes) for key in fresh],
                 request.traffic_class,
@@ -142,7 +146,7 @@ class SimEngine:
                 self._cache.add(key)
         if plan.store_at is not None:
             state_key = state_key_at(keys, plan.store_at)
-            self._client.put_swa_state(
+            self._tier.put_swa_state(
                 state_key, plan.store_at, expected_payload(state_key, self._state_bytes)
             )
         return RequestOutcome(

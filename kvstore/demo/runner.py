@@ -142,7 +142,7 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> dict[str
                 SimEngine(
                     f"engine-{i}",
                     clients[i],
-                    running.backend.model_fingerprint,
+                    running.tier.model_fingerprint,
                     geometry.block_bytes,
                     geometry.state_size_to_disk,
                 )

@@ -27,6 +27,16 @@ DAY = 86400.0
 
 #: Where the policy file lives in a checkout (``gc/gc.toml`` at the top level).
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "gc" / "gc.toml"
+#: The built-in policy (the same as ``gc/gc.toml``): TTL per traffic class, in class-id order
+#: (a block's class id is the position of its class here and in ``BlockStoreConfig``), and the
+#: lease a reader gets. The block tier's defaults are taken from these, so they are stated once.
+DEFAULT_TTL: tuple[tuple[str, float], ...] = (
+    ("default", 1 * DAY),
+    ("agent", 3 * DAY),
+    ("chatbot", 7 * DAY),
+)
+DEFAULT_CLASSES = tuple(name for name, _ in DEFAULT_TTL)
+DEFAULT_LEASE_S = 30.0
 
 
 def parse_duration(value: object, key: str) -> float:
@@ -56,11 +66,7 @@ class GCConfig:
 
     #: TTL per traffic class name, as (name, seconds) pairs (a mapping is accepted and
     #: normalised; durations like "3d" are accepted too). ``ttl_seconds`` gives it as a dict.
-    ttl: tuple[tuple[str, float], ...] | Mapping[str, Any] = (
-        ("default", 1 * DAY),
-        ("agent", 3 * DAY),
-        ("chatbot", 7 * DAY),
-    )
+    ttl: tuple[tuple[str, float], ...] | Mapping[str, Any] = DEFAULT_TTL
     #: The class whose TTL applies to blocks of a class ``ttl_seconds`` does not name.
     default_class: str = "default"
     #: Age is measured from the last access (idle time) or from creation. See gc/gc.toml.
@@ -72,7 +78,7 @@ class GCConfig:
     scan_interval_s: float = 60.0
     #: Blocks removed per index call and per batched shard delete.
     delete_batch: int = 1000
-    lease_default_s: float = 30.0
+    lease_default_s: float = DEFAULT_LEASE_S
 
     def __post_init__(self) -> None:
         pairs = list(self.ttl.items()) if isinstance(self.ttl, Mapping) else list(self.ttl)

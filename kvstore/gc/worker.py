@@ -29,26 +29,27 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
-from kvstore.blockstore.fanout import META, NODE, Fanout, Target
+from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls, meta_target, node_target
+from kvstore.blockstore.fanout import Fanout, Ticket, gather
 from kvstore.blockstore.records import RemovedBlock
 from kvstore.clock import Clock
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, NodeUnavailable
 from kvstore.gc.config import GCConfig
 from kvstore.gc.planner import LRUCandidates, merge_lru
-from kvstore.keys import BlockKey
 
 log = logging.getLogger("kvstore.gc")
 
 #: Eviction rounds per pass: each round re-reads usage, so headers and racing writes converge.
 MAX_EVICTION_ROUNDS = 8
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -145,42 +146,21 @@ class GCWorker:
 
     # --- remote calls ----------------------------------------------------------------------
 
-    def _call_all(
-        self, targets: Sequence[Target], method: str, args_for: Callable[[Target], tuple]
-    ) -> dict[Target, Any]:
-        """Call ``method`` on every target at once; returns target -> result or the exception."""
-        tickets = {self._fanout.submit(t, method, *args_for(t)): t for t in targets}
-        outcomes: dict[Target, Any] = {}
-        pending = set(tickets)
-        deadline = self._clock_deadline()
-        while pending:
-            done = self._fanout.wait(list(pending), timeout=self._remaining(deadline))
-            if not done:
-                break
-            for ticket in done:
-                pending.discard(ticket)
-                try:
-                    outcomes[tickets[ticket]] = self._fanout.result(ticket)
-                except Exception as error:  # a failing target is one failed step, not a pass
-                    outcomes[tickets[ticket]] = error
-        for ticket in pending:
-            outcomes[tickets[ticket]] = TimeoutError(
-                f"{tickets[ticket]}.{method}: no answer in {self._timeout} s"
-            )
-        return outcomes
-
-    def _clock_deadline(self) -> float:
-        # Call timeouts are real elapsed time (the injected clock may stand still in tests).
-        return time.monotonic() + self._timeout
-
-    @staticmethod
-    def _remaining(deadline: float) -> float:
-        return max(0.0, deadline - time.monotonic())
-
-    def _failed(self, report: PassReport, target: Target, method: str, error: object) -> None:
-        message = f"{target[0]} {target[1]}: {method} failed: {error!r}"
-        log.warning("gc: %s", message)
-        report.errors.append(message)
+    def _answers(
+        self, tickets: Iterable[Ticket[R]], report: PassReport
+    ) -> list[tuple[Ticket[R], R]]:
+        """Wait for every call (call timeouts are real elapsed time: the injected clock may
+        stand still in tests); a failing target is recorded in ``report`` and left out, one
+        failed step rather than a failed pass."""
+        answered = []
+        for ticket, outcome in gather(self._fanout, tickets, self._timeout).items():
+            if isinstance(outcome, NodeUnavailable):
+                message = f"{ticket.target}: {ticket.method} failed: {outcome!r}"
+                log.warning("gc: %s", message)
+                report.errors.append(message)
+            else:
+                answered.append((ticket, outcome))
+        return answered
 
     # --- the pass --------------------------------------------------------------------------
 
@@ -204,49 +184,50 @@ class GCWorker:
             for node in block.nodes:
                 by_node[node].append(bytes(block.key))
                 oldest_removal[node] = min(oldest_removal.get(node, math.inf), block.removed_at)
-        targets = [(NODE, node) for node in sorted(by_node)]
-        outcomes = self._call_all(
-            targets, "delete", lambda t: (by_node[t[1]], oldest_removal[t[1]])
-        )
-        for target, outcome in outcomes.items():
-            if isinstance(outcome, BaseException):
-                # The index no longer has these blocks: the shards are orphans now, reclaimed
-                # by that node's scrub. Nothing a reader can see is half there.
-                self._failed(report, target, "delete", outcome)
-            else:
-                report.shards_deleted += int(outcome)
+        tickets = [
+            self._fanout.submit(
+                node_target(node), StorageNodeCalls.delete, by_node[node], oldest_removal[node]
+            )
+            for node in sorted(by_node)
+        ]
+        # A node that fails here leaves orphans (the index no longer has these blocks),
+        # reclaimed by that node's scrub. Nothing a reader can see is half there.
+        for _, deleted in self._answers(tickets, report):
+            report.shards_deleted += int(deleted)
 
     def _expire(self, now: float, report: PassReport) -> None:
         batch = self.config.delete_batch
-        shards = [(META, shard) for shard in self._meta]
+        shards = list(self._meta)
         while shards:
-            outcomes = self._call_all(
-                shards,
-                "gc_expire",
-                lambda _t: (now, self._ttl_by_name, self.config.ttl_basis, batch),
-            )
+            tickets = {
+                self._fanout.submit(
+                    meta_target(shard),
+                    MetaShardCalls.gc_expire,
+                    now,
+                    self._ttl_by_name,
+                    self.config.ttl_basis,
+                    batch,
+                ): shard
+                for shard in shards
+            }
             removed: list[RemovedBlock] = []
             still_full = []
-            for target, outcome in outcomes.items():
-                if isinstance(outcome, BaseException):
-                    self._failed(report, target, "gc_expire", outcome)
-                    continue
-                removed.extend(outcome)
-                if len(outcome) >= batch:
-                    still_full.append(target)  # may hold more: ask again
+            for ticket, expired in self._answers(tickets, report):
+                removed.extend(expired)
+                if len(expired) >= batch:
+                    still_full.append(tickets[ticket])  # may hold more: ask again
             report.expired.add(removed)
             if removed:
                 self._delete_shards(removed, report)
             shards = still_full
 
     def _usage(self, report: PassReport) -> tuple[int, int] | None:
-        outcomes = self._call_all([(NODE, node) for node in self._nodes], "usage", lambda t: ())
+        tickets = [
+            self._fanout.submit(node_target(node), StorageNodeCalls.usage) for node in self._nodes
+        ]
         used = capacity = 0
         answered = 0
-        for target, outcome in outcomes.items():
-            if isinstance(outcome, BaseException):
-                self._failed(report, target, "usage", outcome)
-                continue
+        for _, outcome in self._answers(tickets, report):
             used += int(outcome["bytes_used"])
             capacity += int(outcome["capacity_bytes"])
             answered += 1
@@ -284,15 +265,13 @@ class GCWorker:
         Orphan shards inflate the measure, which only makes a round evict less than needed; the
         next round (usage re-read) evicts the rest, so the evicted set stays the shortest LRU
         prefix rather than overshooting."""
-        outcomes = self._call_all(
-            [(META, shard) for shard in self._meta], "stored_bytes_by_class", lambda _t: ()
-        )
+        tickets = [
+            self._fanout.submit(meta_target(shard), MetaShardCalls.stored_bytes_by_class)
+            for shard in self._meta
+        ]
         indexed = 0
-        for target, outcome in outcomes.items():
-            if isinstance(outcome, BaseException):
-                self._failed(report, target, "stored_bytes_by_class", outcome)
-                continue
-            indexed += sum(int(v) for v in outcome.values())
+        for _, by_class in self._answers(tickets, report):
+            indexed += sum(int(v) for v in by_class.values())
         if indexed <= 0:
             return self._stored_per_block_byte
         return max(self._stored_per_block_byte, used / indexed)
@@ -300,19 +279,20 @@ class GCWorker:
     def _evict_bytes(self, now: float, bytes_needed: int, report: PassReport) -> int:
         """Evict the globally least recently used unleased blocks summing to ``bytes_needed``
         block bytes; returns how many blocks left the index."""
-        shards = [(META, shard) for shard in self._meta]
-        outcomes = self._call_all(shards, "gc_lru_candidates", lambda _t: (now, bytes_needed))
+        tickets = {
+            self._fanout.submit(
+                meta_target(shard), MetaShardCalls.gc_lru_candidates, now, bytes_needed
+            ): shard
+            for shard in self._meta
+        }
         candidates = []
-        for target, outcome in outcomes.items():
-            if isinstance(outcome, BaseException):
-                self._failed(report, target, "gc_lru_candidates", outcome)
+        for ticket, proposed in self._answers(tickets, report):
+            if not proposed:
                 continue
-            if not outcome:
-                continue
-            last_access, keys, sizes = zip(*outcome, strict=True)
+            last_access, keys, sizes = zip(*proposed, strict=True)
             candidates.append(
                 LRUCandidates(
-                    shard=target[1],
+                    shard=tickets[ticket],
                     keys=list(keys),
                     last_access=np.asarray(last_access, dtype=np.float64),
                     sizes=np.asarray(sizes, dtype=np.int64),
@@ -325,28 +305,18 @@ class GCWorker:
         for start in range(0, max((len(keys) for keys in plan.values()), default=0), batch):
             chunk = {shard: keys[start : start + batch] for shard, keys in plan.items()}
             chunk = {shard: keys for shard, keys in chunk.items() if keys}
-            outcomes = self._call_all(
-                [(META, shard) for shard in sorted(chunk)],
-                "gc_evict",
-                _keys_for(chunk, now),
-            )
+            evictions = [
+                self._fanout.submit(meta_target(shard), MetaShardCalls.gc_evict, chunk[shard], now)
+                for shard in sorted(chunk)
+            ]
             removed: list[RemovedBlock] = []
-            for target, outcome in outcomes.items():
-                if isinstance(outcome, BaseException):
-                    self._failed(report, target, "gc_evict", outcome)
-                    continue
-                removed.extend(outcome)
+            for _, gone in self._answers(evictions, report):
+                removed.extend(gone)
             report.evicted.add(removed)
             evicted += len(removed)
             if removed:
                 self._delete_shards(removed, report)
         return evicted
-
-
-def _keys_for(
-    keys_by_shard: dict[int, list[BlockKey]], now: float
-) -> Callable[[Target], tuple[list[BlockKey], float]]:
-    return lambda target: (keys_by_shard[target[1]], now)
 
 
 class ReconcileLoop:

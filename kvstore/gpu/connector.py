@@ -28,18 +28,17 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from kvstore.api.backend import HitAnswer
 from kvstore.errors import ConfigError, InvalidArgument, KVStoreError
 from kvstore.gpu.fetcher import Fetcher, LayerGate, StagedFetch
 from kvstore.gpu.pools import DevicePools
 from kvstore.gpu.save import SaveBatch, Saver, SaveResult, SaveSpec, SaveTicket, StateSave
 from kvstore.gpu.staging import StagingArea
 from kvstore.gpu.swapin import LayerLoad, LoadResult, LoadTarget, SwapIn
-from kvstore.gpu.tier import HitSource, ReaderFactory, TierWriter
 from kvstore.hitplan import MODES, STANDARD, decode_snapshot_anchor, prefill_store_position
 from kvstore.keys import BLOCK_TOKENS, BlockKey, block_keys
+from kvstore.tier.protocols import HitSource, ReaderFactory, TierWriter
+from kvstore.tier.records import HitAnswer, HitRequest
 
 log = logging.getLogger(__name__)
 
@@ -87,24 +86,9 @@ class ConnectorConfig:
     def from_env(
         cls, environ: dict[str, str] | None = None, prefix: str = "KVSTORE_GPU_"
     ) -> ConnectorConfig:
-        import os
+        from kvstore.config import from_env  # the one environment loader
 
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for name, parse in (
-            ("staging_bytes", int),
-            ("staging_dir", str),
-            ("mode", str),
-            ("layer_timeout_s", float),
-        ):
-            raw = env.get(prefix + name.upper())
-            if raw is None or not raw.strip():
-                continue
-            try:
-                values[name] = parse(raw.strip())
-            except ValueError:
-                raise ConfigError(prefix + name.upper(), f"cannot parse {raw!r}") from None
-        return cls(**values)
+        return from_env(cls, prefix, environ)
 
 
 @dataclass(frozen=True)
@@ -190,10 +174,12 @@ class KVConnector:
         answer = self._answers.get(request.request_id)
         if answer is None:
             answer = self._hits.query_hit(
-                token_ids=list(request.token_ids),
-                mode=self.config.mode,
-                traffic_class=request.traffic_class,
-                take_lease=True,
+                HitRequest(
+                    token_ids=list(request.token_ids),
+                    mode=self.config.mode,
+                    traffic_class=request.traffic_class,
+                    take_lease=True,
+                )
             )
             self._answers[request.request_id] = answer
         return answer
@@ -426,7 +412,7 @@ class KVConnector:
         if lease_id is None:
             return
         try:
-            self._hits.release(lease_id)
+            self._hits.release_lease(lease_id)
         except Exception:  # noqa: BLE001 - an unreleased lease only expires later
             log.warning("lease %s not released", lease_id, exc_info=True)
 

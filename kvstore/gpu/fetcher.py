@@ -49,8 +49,8 @@ from kvstore.gpu.staging import (
     StagingRegion,
     map_staging_file,
 )
-from kvstore.gpu.tier import ReaderFactory, TierReader
 from kvstore.keys import check_key
+from kvstore.tier.protocols import ReaderFactory, TierReader
 
 log = logging.getLogger(__name__)
 

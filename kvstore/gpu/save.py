@@ -39,8 +39,8 @@ import numpy as np
 from kvstore.errors import InvalidArgument, KVStoreError, SwapInError
 from kvstore.gpu._torch import index_tensor, torch_module
 from kvstore.gpu.pools import DevicePools
-from kvstore.gpu.tier import TierWriter
 from kvstore.keys import BlockKey, check_key
+from kvstore.tier.protocols import TierWriter
 
 if TYPE_CHECKING:
     import torch

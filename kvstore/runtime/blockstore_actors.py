@@ -18,13 +18,14 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import ray
 from ray.exceptions import RayError
 
+from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
 from kvstore.blockstore.fanout import META, NODE, Target
 from kvstore.blockstore.localread import LocalReadGrant
@@ -41,7 +42,7 @@ from kvstore.runtime.fastcall import FastCallServer
 log = logging.getLogger(__name__)
 
 #: Meta shard methods that clients call over the direct socket instead of through Ray.
-FAST_META_METHODS = ("lookup_wire",)
+FAST_META_METHODS = (MetaShardCalls.lookup_wire,)
 
 
 def node_actor_name(deployment: str, node_id: int) -> str:
@@ -65,12 +66,12 @@ def find_actor(name: str) -> Any:
 
 
 def name_resolver(deployment: str) -> Any:
-    def resolve(target: Target) -> Any:
+    def resolve(target: Target[Any]) -> Any:
         kind, ident = target
         if kind == NODE:
-            return find_actor(node_actor_name(deployment, ident))
+            return find_actor(node_actor_name(deployment, int(ident)))
         if kind == META:
-            return find_actor(meta_actor_name(deployment, ident))
+            return find_actor(meta_actor_name(deployment, int(ident)))
         return None
 
     return resolve
@@ -190,7 +191,10 @@ class MetaShardActor:
         self._rebuild_report: dict[str, object] = {}
         # Lookups, the hot path, also come over a direct socket (see kvstore.runtime.fastcall).
         self._fast = FastCallServer(
-            self._meta, FAST_META_METHODS, self._lock, ray.util.get_node_ip_address()
+            self._meta,
+            [method.__name__ for method in FAST_META_METHODS],
+            self._lock,
+            ray.util.get_node_ip_address(),
         )
         self._start_rebuild()
 
@@ -281,7 +285,10 @@ class MetaShardActor:
 
     def lookup_wire(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
         with self._lock:
-            return self._meta.lookup_wire(request)
+            try:
+                return self._meta.lookup_wire(request)
+            finally:
+                self._meta.after_reply()  # through Ray there is no "after the reply"
 
     def locate(
         self,
@@ -405,6 +412,12 @@ def actor_options(name: str, **extra: Any) -> dict[str, Any]:
     }
     options.update(extra)
     return options
+
+
+if TYPE_CHECKING:
+    # The shells answer every call a fanout makes of them (a drifted signature fails mypy).
+    _node_shell: type[StorageNodeCalls] = StorageNodeActor
+    _meta_shell: type[MetaShardCalls] = MetaShardActor
 
 
 __all__ = [

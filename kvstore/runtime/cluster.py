@@ -82,6 +82,11 @@ def pin_to_node(node_id_hex: str) -> dict[str, Any]:
     }
 
 
+def cluster_cpus(default: int = 2) -> int:
+    """CPUs of the connected Ray cluster, all nodes together (``default`` if it reports none)."""
+    return int(ray.cluster_resources().get("CPU", default))
+
+
 def alive_node_ids() -> list[str]:
     """Hex ids of the Ray nodes the GCS currently considers alive (needs a connected driver)."""
     return sorted(node["NodeID"] for node in ray.nodes() if node.get("Alive"))

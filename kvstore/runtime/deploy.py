@@ -18,9 +18,10 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
+from kvstore.blockstore.calls import meta_target, node_target
 from kvstore.blockstore.client import BlockStoreClient
 from kvstore.blockstore.config import BlockStoreConfig
-from kvstore.blockstore.fanout import META, NODE, Target
+from kvstore.blockstore.fanout import Target
 from kvstore.blockstore.localread import open_live, wait_unlocked
 from kvstore.errors import StoreError
 from kvstore.runtime.blockstore_actors import (
@@ -59,8 +60,8 @@ class BlockStoreHandles:
     node_options: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def fanout(self) -> RayFanout:
-        handles: dict[Target, Any] = {(NODE, i): h for i, h in self.nodes.items()}
-        handles.update({(META, i): h for i, h in enumerate(self.metas)})
+        handles: dict[Target[Any], Any] = {node_target(i): h for i, h in self.nodes.items()}
+        handles.update({meta_target(i): h for i, h in enumerate(self.metas)})
         return RayFanout(
             handles, resolve=name_resolver(self.config.deployment), fast_methods=FAST_META_METHODS
         )

@@ -1,14 +1,26 @@
-"""``RayFanout``: the block tier's ``Fanout`` over Ray actor handles.
+"""``RayFanout``: the ``Fanout`` of ``kvstore.blockstore.fanout`` over Ray actor handles.
 
 Every Ray failure a caller can see becomes ``NodeUnavailable`` (``NodeDead`` when Ray reports
 the actor dead for good): ``ActorDiedError``, ``ActorUnavailableError`` (restarting, or on a
 machine not yet declared dead), ``GetTimeoutError``, ``ActorUnschedulableError`` (not a
 ``RayActorError``), ``RayTaskError`` (the actor method raised), ``ObjectLostError``. Nothing
-from Ray escapes the block client.
+from Ray escapes the caller.
 
-Methods named in ``fast_methods`` (a meta shard's ``lookup_wire``: the hit path) go over the
-actor's direct socket instead (``kvstore.runtime.fastcall``) when it offers one; a broken socket
-is retried once through Ray, so callers see the same outcomes either way.
+Methods in ``fast_methods`` (a meta shard's ``lookup_wire``, an entrypoint's ``lookup``: the
+hit path) go over the actor's direct socket instead (``kvstore.runtime.fastcall``) when it
+offers one. A removed machine's worker can linger unresponsive (the kernel still accepts on its
+socket, nobody answers), so under one deadline:
+
+- calls over connections already open go out at ``submit``; a call that needs a new connection
+  is dialed when first waited for, after them, so dialing an unresponsive actor never holds up
+  the calls to the healthy ones (their replies are read after it);
+- a dial is bounded by what is left of the wait's timeout (the caller's deadline);
+- a call given up on (``cancel``: ``gather`` does it at its deadline) has its connection closed,
+  so its late reply is never read as another call's, and its endpoint forgotten: the next call
+  goes through Ray, which knows whether the actor is still there, and asks it for a new one;
+- a connection that breaks (a restarted actor) is retried once through Ray, within the deadline.
+
+So callers see the same outcomes either way.
 
 Waiting uses ``ray.wait`` on the outstanding calls, never a blocking ``ray.get`` on the oldest
 one while others are in flight (MEASURED.md: that stalled to ~4 calls/s).
@@ -16,42 +28,55 @@ one while others are in flight (MEASURED.md: that stalled to ~4 calls/s).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import ray
 from ray.exceptions import ActorDiedError, RayError
 
-from kvstore.blockstore.fanout import Target
+from kvstore.blockstore.fanout import Target, Ticket
 from kvstore.errors import NodeDead, NodeUnavailable
-from kvstore.runtime.fastcall import FastChannel, FastChannels, RemoteError, wait_ready
+from kvstore.runtime.fastcall import (
+    HANDSHAKE_TIMEOUT_S,
+    FastChannel,
+    FastChannels,
+    RemoteError,
+    wait_ready,
+)
 
 log = logging.getLogger(__name__)
 
-#: A socket call whose connection broke is retried once through Ray, waiting at most this long.
-_RETRY_TIMEOUT_S = 5.0
+P = ParamSpec("P")
+R = TypeVar("R")
+A = TypeVar("A")
+T = TypeVar("T", bound=Ticket[Any])
+
+#: ``result`` of a call not yet reported done waits this long for it.
+_RESULT_WAIT_S = 0.5
 
 
 class RayFanout:
     def __init__(
         self,
-        handles: Mapping[Target, Any],
-        resolve: Callable[[Target], Any] | None = None,
-        fast_methods: Collection[str] = (),
+        handles: Mapping[Target[Any], Any],
+        resolve: Callable[[Target[Any]], Any] | None = None,
+        fast_methods: Collection[Callable[..., Any]] = (),
     ) -> None:
         """``handles``: actor handle per target. ``resolve``: optional way to get a handle for a
         target not in ``handles`` (e.g. a node added later), by actor name. ``fast_methods``:
-        methods called over the actor's direct socket (``kvstore.runtime.fastcall``) when it
-        offers one (``fast_endpoint()``); through Ray otherwise."""
-        self._handles = dict(handles)
+        methods (of a calls Protocol, e.g. ``MetaShardCalls.lookup_wire``) called over the
+        actor's direct socket when it offers one (``fast_endpoint()``) and the call passes no
+        keyword arguments; through Ray otherwise."""
+        self._handles: dict[Target[Any], Any] = dict(handles)
         self._resolve = resolve
         self._fast_methods = frozenset(fast_methods)
         self._fast = FastChannels()
 
-    def handle(self, target: Target) -> Any:
+    def handle(self, target: Target[Any]) -> Any:
         handle = self._handles.get(target)
         if handle is None and self._resolve is not None:
             handle = self._resolve(target)
@@ -59,114 +84,125 @@ class RayFanout:
                 self._handles[target] = handle
         return handle
 
-    # --- the direct socket path ----------------------------------------------------------
-
-    def _submit_fast(self, target: Target, handle: Any, method: str, args: Any) -> Any:
-        channel = self._fast.get(target, handle)
-        if channel is None:
-            return None
-        try:
-            return _FastTicket(channel.start(method, args), channel, target, method, args)
-        except (OSError, EOFError) as error:
-            log.debug("fast call to %s failed to start: %s", target, error)
-            self._fast.forget(target, channel)
-            return None  # the caller goes through Ray this time
-
     # --- Fanout ----------------------------------------------------------------------------
 
-    def submit(self, target: Target, method: str, *args: Any) -> Any:
+    def submit(
+        self,
+        target: Target[A],
+        method: Callable[Concatenate[A, P], R],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Ticket[R]:
+        call: _Call[R] = _Call(target, method.__name__, args, kwargs)
         handle = self.handle(target)
         if handle is None:
-            return _Failed(target, NodeUnavailable(f"no actor for {target}"))
-        if method in self._fast_methods:
-            ticket = self._submit_fast(target, handle, method, args)
-            if ticket is not None:
-                return ticket
-        return self.submit_via_ray(target, method, *args)
+            call.fail(NodeUnavailable(f"no actor for {target}"))
+            return call
+        channel = None
+        if method in self._fast_methods and not kwargs:
+            channel = self._fast.get(target, handle)
+        if channel is None:
+            self._send_via_ray(call, handle)
+        else:
+            call.channel = channel
+            if channel.idle():
+                self._send_fast(call, HANDSHAKE_TIMEOUT_S)
+            # else: dialed when first waited for (see the module doc)
+        return call
 
-    def submit_via_ray(self, target: Target, method: str, *args: Any) -> Any:
-        handle = self.handle(target)
-        if handle is None:
-            return _Failed(target, NodeUnavailable(f"no actor for {target}"))
-        try:
-            ref = getattr(handle, method).remote(*args)
-        except RayError as error:
-            return _Failed(target, NodeUnavailable(f"{target}.{method}: {error}"))
-        # The ticket owns the only reference: a call the client abandons (a late hedged read)
-        # frees its result as soon as the client drops the ticket.
-        return _Ticket(ref, target)
-
-    def wait(self, tickets: Collection[Any], timeout: float, all_of: bool = False) -> list[Any]:
-        failed = [ticket for ticket in tickets if isinstance(ticket, _Failed)]
-        if failed:
-            return failed
-        fast = [ticket for ticket in tickets if isinstance(ticket, _FastTicket)]
-        if fast:
-            if len(fast) < len(tickets):
-                return self._wait_mixed(tickets, timeout, all_of)
-            return self._wait_fast(fast, timeout, all_of)
-        by_ref = {ticket.ref: ticket for ticket in tickets}
-        if not by_ref:
-            return []
-        refs = list(by_ref)
-        wanted = len(refs) if all_of else 1
-        ready, rest = ray.wait(refs, num_returns=wanted, timeout=max(0.0, timeout))
-        if ready and rest:
-            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-            ready.extend(more)
-        return [by_ref[ref] for ref in ready]
-
-    def _wait_fast(self, tickets: list[_FastTicket], timeout: float, all_of: bool) -> list[Any]:
-        by_conn = {ticket.conn: ticket for ticket in tickets}
+    def wait(self, tickets: Collection[T], timeout: float, all_of: bool = False) -> list[T]:
         deadline = time.monotonic() + max(0.0, timeout)
-        ready = wait_ready(list(by_conn), timeout)
-        while all_of and len(ready) < len(by_conn):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            rest = [conn for conn in by_conn if conn not in ready]
-            ready.extend(wait_ready(rest, left))
-        return [by_conn[conn] for conn in ready]
-
-    def _wait_mixed(self, tickets: Collection[Any], timeout: float, all_of: bool) -> list[Any]:
-        """Socket and Ray calls at once (rare: a fallback during an actor restart): poll both."""
-        fast = [ticket for ticket in tickets if isinstance(ticket, _FastTicket)]
-        slow = [ticket for ticket in tickets if not isinstance(ticket, _FastTicket)]
-        deadline = time.monotonic() + max(0.0, timeout)
-        ready: list[Any] = []
+        calls: list[_Call[Any]] = [ticket for ticket in tickets if isinstance(ticket, _Call)]
+        if any(call.done for call in calls):
+            deadline = time.monotonic()  # failed at submit or already read: report them now
+        else:
+            self._dial(calls, deadline)
         while True:
-            ready.extend(self._wait_fast(fast, 0.0, False))
-            ready.extend(self.wait(slow, 0.0, False))
-            left = deadline - time.monotonic()
-            if left <= 0 or (ready and not all_of) or len(ready) == len(tickets):
-                return ready
-            fast = [ticket for ticket in fast if ticket not in ready]
-            slow = [ticket for ticket in slow if ticket not in ready]
-            time.sleep(min(left, 0.001))
+            fast = [call for call in calls if call.conn is not None]
+            slow = [call for call in calls if call.ref is not None and not call.done]
+            # One kind in flight: block on it. Both (rare: a fallback during an actor
+            # restart): poll each in turn.
+            both = bool(fast and slow)
+            left = max(0.0, deadline - time.monotonic())
+            if fast:
+                self._wait_fast(fast, 0.0 if both else left)
+            if slow:
+                self._wait_ray(slow, 0.0 if both else left, all_of)
+            done = {call for call in calls if call.done}
+            finished = not (fast or slow) or len(done) == len(calls) or (done and not all_of)
+            if finished or time.monotonic() >= deadline:
+                return [ticket for ticket in tickets if ticket in done]
+            if both:
+                time.sleep(min(left, 0.001))
 
-    def result(self, ticket: Any) -> Any:
-        if isinstance(ticket, _Failed):
-            raise ticket.error
-        if isinstance(ticket, _FastTicket):
+    async def wait_all_async(self, tickets: Collection[Ticket[Any]], timeout: float) -> None:
+        """Until every call is done or ``timeout`` passed, the waiting done by the running
+        asyncio loop: a socket call's reply is read when the loop sees its connection readable,
+        a Ray call's when its ``ObjectRef`` resolves (a socket that broke meanwhile has its call
+        retried through Ray, within the same deadline). A call still to dial (a new connection:
+        rare, bounded by the deadline) is dialed in a worker thread."""
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + max(0.0, timeout)
+        calls = [ticket for ticket in tickets if isinstance(ticket, _Call)]
+        if any(c.channel is not None and c.conn is None and not c.done for c in calls):
+            await loop.run_in_executor(None, self._dial, calls, deadline)
+        while True:
+            waits: list[asyncio.Future[Any]] = []
+            readers: list[int] = []
+            refs: list[tuple[_Call[Any], Any]] = []
+            for call in calls:
+                if call.done:
+                    continue
+                if call.conn is not None:
+                    done: asyncio.Future[None] = loop.create_future()
+                    fd = call.conn.fileno()
+                    loop.add_reader(fd, self._readable, loop, fd, call, done)
+                    readers.append(fd)
+                    waits.append(done)
+                elif call.ref is not None:
+                    future = call.ref.future()
+                    refs.append((call, future))
+                    waits.append(asyncio.wrap_future(future))
+            left = deadline - time.monotonic()
+            if not waits or left <= 0:
+                return
             try:
-                return ticket.channel.finish(ticket.conn)
-            except RemoteError as error:
-                raise NodeUnavailable(f"{ticket.target}: {error}") from None
-            except (OSError, EOFError) as error:
-                # The socket went stale (the actor restarted on a new port, or died): ask once
-                # more through Ray, which knows whether a replacement is up.
-                log.debug("fast call to %s lost its connection: %r", ticket.target, error)
-                self._fast.forget(ticket.target, ticket.channel)
-                retry = self.submit_via_ray(ticket.target, ticket.method, *ticket.args)
-                if not isinstance(retry, _Ticket):
-                    return self.result(retry)
-                try:
-                    return ray.get(retry.ref, timeout=_RETRY_TIMEOUT_S)
-                except RayError as again:
-                    raise NodeUnavailable(f"{ticket.target}: {_short(again)}") from None
+                await asyncio.wait(waits, timeout=left)
+            finally:
+                for fd in readers:
+                    loop.remove_reader(fd)
+                for wait in waits:
+                    wait.cancel()  # not finished in time: ``gather`` cancels the call itself
+            for call, future in refs:
+                call.ray_done = call.ray_done or future.done()
+            if all(call.done for call in calls) or time.monotonic() >= deadline:
+                return
+
+    def _readable(
+        self, loop: asyncio.AbstractEventLoop, fd: int, call: _Call[Any], done: Any
+    ) -> None:
+        loop.remove_reader(fd)
+        if call.conn is not None and call.conn.fileno() == fd:
+            self._read(call)  # the reply is in: a plain read (or EOF) that does not block long
+        if not done.done():
+            done.set_result(None)
+
+    def result(self, ticket: Ticket[R]) -> R:
+        if not isinstance(ticket, _Call):
+            raise TypeError(f"not a RayFanout ticket: {ticket!r}")
+        if ticket.outcome is None and ticket.ref is None:
+            self.wait([ticket], _RESULT_WAIT_S)
+        if ticket.outcome is not None:
+            ok, value = ticket.outcome
+            if not ok:
+                raise value
+            return value
         target = ticket.target
+        if ticket.ref is None:
+            raise NodeUnavailable(f"{target}.{ticket.method} did not answer")
         try:
-            return ray.get(ticket.ref, timeout=0.5)
+            return ray.get(ticket.ref, timeout=_RESULT_WAIT_S)
         except ActorDiedError as error:
             if self._resolve is not None:
                 # A replacement may be started under the same name: look it up next time.
@@ -176,36 +212,127 @@ class RayFanout:
             log.debug("call to %s failed: %s", target, error)
             raise NodeUnavailable(f"{target}: {type(error).__name__}: {_short(error)}") from None
 
+    def cancel(self, tickets: Iterable[Ticket[Any]]) -> None:
+        for call in tickets:
+            if not isinstance(call, _Call) or call.channel is None:
+                continue  # a Ray call: its result is freed with the ticket
+            if call.conn is not None:
+                # Its late reply must never be read as another call's. And no answer in time:
+                # the endpoint may belong to a process that is going away.
+                call.conn.close()
+                call.conn = None
+                self._fast.forget(call.target, call.channel)
+            call.channel = None  # (one still to dial is never sent)
 
-class _Ticket:
-    __slots__ = ("ref", "target")
+    # --- the direct socket path ------------------------------------------------------------
 
-    def __init__(self, ref: Any, target: Target) -> None:
-        self.ref = ref
-        self.target = target
+    def _dial(self, calls: list[_Call[Any]], deadline: float) -> None:
+        """Send the calls that need a new connection (``submit`` sent the others), each dial
+        bounded by what is left until ``deadline``; with nothing left they wait for a later
+        wait."""
+        for call in calls:
+            if call.channel is not None and call.conn is None and not call.done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._send_fast(call, left)
+
+    def _send_fast(self, call: _Call[Any], dial_timeout_s: float) -> None:
+        assert call.channel is not None
+        try:
+            call.conn = call.channel.start(call.method, call.args, dial_timeout_s=dial_timeout_s)
+        except (OSError, EOFError) as error:
+            log.debug("fast call to %s did not start: %s", call.target, error)
+            self._via_ray_instead(call)
+
+    def _wait_fast(self, calls: list[_Call[Any]], timeout: float) -> None:
+        by_conn: dict[Connection, _Call[Any]] = {}
+        for call in calls:
+            assert call.conn is not None
+            by_conn[call.conn] = call
+        for conn in wait_ready(list(by_conn), timeout):
+            self._read(by_conn[conn])
+
+    def _read(self, call: _Call[Any]) -> None:
+        """The reply of a socket call that is ready to read."""
+        channel, conn = call.channel, call.conn
+        assert channel is not None and conn is not None
+        call.conn = None
+        try:
+            call.succeed(channel.finish(conn))
+        except RemoteError as error:
+            call.fail(NodeUnavailable(f"{call.target}: {error}"))
+        except (OSError, EOFError) as error:
+            # The socket went stale (the actor restarted on a new port, or died): ask once
+            # more through Ray, which knows whether a replacement is up.
+            log.debug("fast call to %s lost its connection: %r", call.target, error)
+            self._via_ray_instead(call)
+
+    def _via_ray_instead(self, call: _Call[Any]) -> None:
+        """The socket failed: forget the endpoint (asked for again through Ray) and make this
+        call through Ray."""
+        assert call.channel is not None
+        self._fast.forget(call.target, call.channel)
+        call.channel = None
+        self._send_via_ray(call, self.handle(call.target))
+
+    # --- through Ray -----------------------------------------------------------------------
+
+    def _send_via_ray(self, call: _Call[Any], handle: Any) -> None:
+        if handle is None:
+            call.fail(NodeUnavailable(f"no actor for {call.target}"))
+            return
+        try:
+            call.ref = getattr(handle, call.method).remote(*call.args, **call.kwargs)
+        except RayError as error:
+            call.fail(NodeUnavailable(f"{call.target}.{call.method}: {error}"))
+        # The ticket owns the only reference to the result: a call the caller abandons (a late
+        # hedged read) frees it as soon as the caller drops the ticket. Its arguments are
+        # not needed any more.
+        call.args, call.kwargs = (), {}
+
+    @staticmethod
+    def _wait_ray(calls: list[_Call[Any]], timeout: float, all_of: bool) -> None:
+        by_ref = {call.ref: call for call in calls}
+        refs = list(by_ref)
+        ready, rest = ray.wait(refs, num_returns=len(refs) if all_of else 1, timeout=timeout)
+        if ready and rest:
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready.extend(more)
+        for ref in ready:
+            by_ref[ref].ray_done = True
 
 
-class _FastTicket:
-    __slots__ = ("conn", "channel", "target", "method", "args")
+class _Call(Ticket[R]):
+    """One call: over the actor's socket (``conn``; ``channel`` alone while it waits to dial)
+    or through Ray (``ref``), until its ``outcome`` is known (``(ok, value or error)``)."""
+
+    __slots__ = ("args", "kwargs", "channel", "conn", "ref", "ray_done", "outcome")
 
     def __init__(
-        self, conn: Connection, channel: FastChannel, target: Target, method: str, args: Any
+        self, target: Target[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        self.conn = conn
-        self.channel = channel
-        self.target = target
-        self.method = method
+        super().__init__(target, method)
         self.args = args
+        self.kwargs = kwargs
+        self.channel: FastChannel | None = None
+        self.conn: Connection | None = None
+        self.ref: Any = None
+        self.ray_done = False
+        self.outcome: tuple[bool, Any] | None = None
 
+    @property
+    def done(self) -> bool:
+        """Whether ``result`` answers without waiting."""
+        return self.outcome is not None or self.ray_done
 
-class _Failed:
-    """A ticket for a call that could not even be submitted."""
+    def succeed(self, value: Any) -> None:
+        self.outcome = (True, value)
+        self.args, self.kwargs = (), {}
 
-    __slots__ = ("error", "target")
-
-    def __init__(self, target: Target, error: NodeUnavailable) -> None:
-        self.target = target
-        self.error = error
+    def fail(self, error: NodeUnavailable) -> None:
+        self.outcome = (False, error)
+        self.args, self.kwargs = (), {}
 
 
 def _short(error: BaseException) -> str:

@@ -49,6 +49,8 @@ class RemoteError(Exception):
 
 class FastCallServer:
     """Serves ``methods`` of ``target`` on ``host`` (an ephemeral port), one thread per peer.
+    After each reply is sent, the target's ``after_reply()`` (if any) runs: work a call brought
+    that its caller need not wait for.
 
     ``lock`` is the lock the actor already holds around its plain object, so socket calls and
     Ray calls never run in it at once. Each peer first proves it holds the key (HMAC-SHA256 of
@@ -133,6 +135,19 @@ class FastCallServer:
                     conn.send(reply)
                 except (OSError, ValueError):
                     return
+                self._after_reply()
+
+    def _after_reply(self) -> None:
+        """Work the caller need not wait for (``after_reply()`` of the target, if it has one):
+        run once the reply is on its way, so it never adds to the call's latency."""
+        after = getattr(self._target, "after_reply", None)
+        if after is None:
+            return
+        try:
+            with self._lock:
+                after()
+        except Exception:  # the reply is out; a failure here is the target's to log
+            log.exception("fastcall: after_reply failed")
 
     def close(self) -> None:
         """Stop taking peers (the peers already connected are served until they leave)."""

@@ -22,8 +22,9 @@ import pyarrow as pa
 import ray
 from ray.exceptions import RayError
 
+from kvstore.blockstore.calls import meta_target, node_target
 from kvstore.blockstore.config import BlockStoreConfig
-from kvstore.blockstore.fanout import META, NODE, Target
+from kvstore.blockstore.fanout import Target
 from kvstore.blockstore.index import BlockIndex
 from kvstore.clock import SystemClock
 from kvstore.errors import InvalidArgument, StoreError
@@ -139,10 +140,12 @@ class LiveTier:
         self.deployment = deployment
         self.meta_ids = meta_ids
         self.node_ids = node_ids
-        handles: dict[Target, Any] = {(META, i): resolve((META, i)) for i in meta_ids}
-        handles.update({(NODE, i): resolve((NODE, i)) for i in node_ids})
+        handles: dict[Target[Any], Any] = {
+            meta_target(i): resolve(meta_target(i)) for i in meta_ids
+        }
+        handles.update({node_target(i): resolve(node_target(i)) for i in node_ids})
         self.fanout = RayFanout(handles, resolve=resolve)
-        first = handles[(META, meta_ids[0])]
+        first = handles[meta_target(meta_ids[0])]
         try:
             by_class = ray.get(first.stored_bytes_by_class.remote(), timeout=30)
         except RayError as error:
@@ -165,14 +168,14 @@ class LiveTier:
 
     def snapshot(self) -> pa.Table:
         """Every meta shard's index as one table (``BlockIndex.to_table`` format)."""
-        handles = [self.fanout.handle((META, i)) for i in self.meta_ids]
+        handles = [self.fanout.handle(meta_target(i)) for i in self.meta_ids]
         tables = ray.get([h.snapshot_table.remote() for h in handles], timeout=300)
         metadata = tables[0].schema.metadata
         merged = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
         return merged.replace_schema_metadata(metadata)
 
     def usage(self) -> tuple[int, int]:
-        handles = [self.fanout.handle((NODE, i)) for i in self.node_ids]
+        handles = [self.fanout.handle(node_target(i)) for i in self.node_ids]
         replies = ray.get([h.usage.remote() for h in handles], timeout=60)
         return (
             sum(int(r["bytes_used"]) for r in replies),

@@ -29,18 +29,16 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from kvstore.blockstore.fanout import Ticket, gather, gather_async
 from kvstore.clock import SystemClock
-from kvstore.errors import InvalidArgument, StateRejected, StoreError
+from kvstore.errors import InvalidArgument, NodeUnavailable, StateRejected, StoreError
 from kvstore.keys import BlockKey
+from kvstore.runtime.blockstore_actors import find_actor
 from kvstore.runtime.cluster import pin_to_node
-from kvstore.runtime.fastcall import (
-    FastCallServer,
-    FastChannel,
-    FastChannels,
-    RemoteError,
-    wait_ready,
-)
+from kvstore.runtime.fanout import RayFanout
+from kvstore.runtime.fastcall import FastCallServer
 from kvstore.swa.agent import StoreAgent
+from kvstore.swa.client import SWAClient
 from kvstore.swa.config import SWAConfig
 from kvstore.swa.directory import (
     DirectoryShard,
@@ -51,9 +49,13 @@ from kvstore.swa.directory import (
     shard_ids,
 )
 from kvstore.swa.store import SWAStore
-
-if TYPE_CHECKING:
-    from kvstore.swa.client import SWAClient
+from kvstore.swa.transport import (
+    EntrypointCalls,
+    LookupCalls,
+    SWALayout,
+    entry_target,
+    layout_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -264,20 +266,12 @@ class SWAStoreActor:
 
 
 @dataclass
-class SWADeployment:
-    """What ``deploy_swa`` created: enough to build clients anywhere (it pickles) and to grow or
-    tear down the tier."""
+class SWADeployment(SWALayout):
+    """What ``deploy_swa`` created: the tier's layout (enough to build clients anywhere: it
+    pickles) plus what it takes to grow or tear the tier down."""
 
-    config: SWAConfig
-    state_bytes: int
-    block_tokens: int
-    stored_layers: int
-    window: int
-    shards: tuple[str, ...]
     #: Detached actors outlive the deploying process (an operator's long-running tier).
     detached: bool = False
-    #: machine id -> store actor name
-    stores: dict[str, str] = field(default_factory=dict)
     #: Handles of the actors this process created: Ray ends a non-detached actor once no handle
     #: to it is left, so the deploying process keeps them. Not pickled: clients find by name.
     handles: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -288,11 +282,7 @@ class SWADeployment:
         return state
 
     def store(self, machine_id: str) -> Any:
-        if machine_id not in self.stores:
-            raise InvalidArgument(
-                "machine_id", f"no SWA store on {machine_id!r} (stores on {sorted(self.stores)})"
-            )
-        return ray.get_actor(self.stores[machine_id])
+        return ray.get_actor(self.store_name(machine_id))
 
     def entrypoint(self, shard_id: str) -> Any:
         if shard_id not in self.shards:
@@ -316,10 +306,21 @@ class SWADeployment:
                 continue
         self.handles.clear()
 
-    def client(self, local_machine: str | None = None) -> SWAClient:
-        from kvstore.swa.client import SWAClient
+    def layout(self) -> SWALayout:
+        """The plain layout (no Ray methods): what an engine's fetcher process needs."""
+        return SWALayout(
+            self.config,
+            self.state_bytes,
+            self.block_tokens,
+            self.stored_layers,
+            self.window,
+            self.shards,
+            dict(self.stores),
+        )
 
-        return SWAClient(self, local_machine=local_machine)
+    def client(self, local_machine: str | None = None) -> SWAClient:
+        """A client of this tier over Ray (and the entrypoints' direct sockets)."""
+        return SWAClient(self, SWARayTransport(self), local_machine=local_machine)
 
 
 def _start_store(deployment: SWADeployment, machine_id: str, node_id: str) -> Any:
@@ -354,13 +355,7 @@ def deploy_swa(
         raise InvalidArgument("machines", "the SWA tier needs at least one machine")
     count = config.num_entrypoints or len(machines)
     deployment = SWADeployment(
-        config=config,
-        state_bytes=int(geometry.state_size_to_disk),
-        block_tokens=int(geometry.block_tokens),
-        stored_layers=len(geometry.stored_swa_layers),
-        window=int(geometry.window),
-        shards=shard_ids(count),
-        detached=detached,
+        **layout_for(config, geometry, shard_ids(count)).__dict__, detached=detached
     )
     node_ids = list(machines.values())
     for index, shard in enumerate(deployment.shards):
@@ -395,103 +390,79 @@ def deploy_swa(
 
 
 class SWARayTransport:
-    """Every Ray call the SWA client makes, each bounded by ``timeout_s``; a call that fails or
-    times out answers None (a miss), never an exception, except a rejected put (bad input).
+    """``kvstore.swa.transport.SWATransport`` over Ray: every call the SWA client makes, each
+    bounded by the tier's ``call_timeout_s``; a call that fails or times out answers None (a
+    miss), never an exception, except a rejected put (bad input).
 
     Holds actor handles by name, resolved on first use and forgotten after a failure (a
     replacement actor under the same name is then found again). Pickles without its handles.
     """
 
-    def __init__(self, timeout_s: float) -> None:
-        self._timeout = timeout_s
+    def __init__(self, layout: SWALayout) -> None:
+        self._layout = layout
+        self._timeout = layout.config.call_timeout_s
         self._handles: dict[str, Any] = {}
         self._node: str | None = None
-        self._fast = FastChannels()
+        config = layout.config
+        self._entries = RayFanout(
+            {},
+            resolve=lambda target: find_actor(entry_actor_name(config, str(target.id))),
+            fast_methods=(EntrypointCalls.lookup,),
+        )
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_timeout": self._timeout}
+        layout = self._layout
+        return {"layout": layout.layout() if isinstance(layout, SWADeployment) else layout}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["_timeout"])  # type: ignore[misc]
+        self.__init__(state["layout"])  # type: ignore[misc]
 
-    def lookup(
-        self, calls: Mapping[str, tuple[Sequence[BlockKey], str | None]]
+    def lookup(self, calls: LookupCalls) -> dict[str, list[StoreRef | None] | None]:
+        """One ``lookup`` per directory shard, all in flight at once under one deadline, over
+        the entrypoints' direct sockets when they have them (the block tier's ``RayFanout``
+        and ``gather``: the one RPC seam); a shard that did not answer in time is None."""
+        tickets = self._submit_lookups(calls)
+        return self._answers(calls, tickets, gather(self._entries, tickets, self._timeout))
+
+    async def lookup_async(self, calls: LookupCalls) -> dict[str, list[StoreRef | None] | None]:
+        tickets = self._submit_lookups(calls)
+        outcomes = await gather_async(self._entries, tickets, self._timeout)
+        return self._answers(calls, tickets, outcomes)
+
+    def _submit_lookups(self, calls: LookupCalls) -> dict[Ticket[Any], str]:
+        return {
+            self._entries.submit(entry_target(shard), EntrypointCalls.lookup, list(keys), prefer): (
+                shard
+            )
+            for shard, (keys, prefer) in calls.items()
+        }
+
+    @staticmethod
+    def _answers(
+        calls: LookupCalls, tickets: dict[Ticket[Any], str], outcomes: dict[Ticket[Any], Any]
     ) -> dict[str, list[StoreRef | None] | None]:
-        """One ``lookup`` per entrypoint actor name, all in flight at once, one shared deadline
-        (over the entrypoint's direct socket when it has one, else through Ray)."""
-        deadline = time.monotonic() + self._timeout
-        refs: dict[str, Any] = {}
-        sent: dict[Any, tuple[str, FastChannel]] = {}
-        to_dial: list[tuple[str, Any, FastChannel]] = []
-        for name, (keys, prefer) in calls.items():
-            handle = self._handle(name)
-            if handle is None:
-                continue
-            channel = self._fast.get(name, handle)
-            if channel is None:
-                refs[name] = handle.lookup.remote(keys, prefer)
-            elif channel.idle():
-                self._start_fast(name, handle, channel, (keys, prefer), deadline, sent, refs)
-            else:
-                to_dial.append((name, handle, channel))
-        # Calls that need a new connection go last: a dial to an unresponsive actor must not
-        # delay the calls to the healthy ones (their replies are read after it).
-        for name, handle, channel in to_dial:
-            args = calls[name]
-            self._start_fast(name, handle, channel, args, deadline, sent, refs)
         answers: dict[str, list[StoreRef | None] | None] = dict.fromkeys(calls)
-        waiting = list(sent)
-        while waiting:
-            ready = wait_ready(waiting, deadline - time.monotonic())
-            if not ready:
-                break  # timed out: those stay None (a miss)
-            for conn in ready:
-                waiting.remove(conn)
-                name, channel = sent[conn]
-                try:
-                    answers[name] = channel.finish(conn)
-                except (RemoteError, OSError, EOFError) as error:
-                    log.debug("fast lookup on %s failed: %s", name, error)
-                    self._fast.forget(name, channel)
-        for conn in waiting:
-            conn.close()  # abandoned: its late reply must not be read as another call's
-            # No answer in time: the endpoint may belong to a process that is going away.
-            # Forget it; the next call goes through Ray, which knows, and asks for a new one.
-            name, channel = sent[conn]
-            self._fast.forget(name, channel)
-        if not refs:
-            return answers
-        left = max(0.0, deadline - time.monotonic())
-        finished, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=left)
-        done = set(finished)
-        for name, ref in refs.items():
-            if ref in done:
-                answers[name] = self._get(name, ref)
-            else:
-                self._handles.pop(name, None)
+        for ticket, outcome in outcomes.items():
+            if isinstance(outcome, NodeUnavailable):
+                log.debug("directory lookup failed: %s", outcome)
+                continue
+            answers[tickets[ticket]] = outcome
         return answers
 
-    def _start_fast(
-        self,
-        name: str,
-        handle: Any,
-        channel: FastChannel,
-        args: tuple[Sequence[BlockKey], str | None],
-        deadline: float,
-        sent: dict[Any, tuple[str, FastChannel]],
-        refs: dict[str, Any],
-    ) -> None:
-        """Send ``lookup(*args)`` over ``channel``; through Ray if the socket fails."""
-        try:
-            conn = channel.start("lookup", args, dial_timeout_s=deadline - time.monotonic())
-            sent[conn] = (name, channel)
-        except (OSError, EOFError) as error:
-            log.debug("fast lookup on %s did not start: %s", name, error)
-            self._fast.forget(name, channel)
-            refs[name] = handle.lookup.remote(*args)
+    def stats(self) -> dict[str, dict[str, Any] | None]:
+        refs = {}
+        for name in self._layout.stores.values():
+            handle = self._handle(name)
+            if handle is not None:
+                refs[name] = handle.stats.remote()
+        out: dict[str, dict[str, Any] | None] = dict.fromkeys(self._layout.stores.values())
+        for name, ref in refs.items():
+            out[name] = self._get(name, ref, wait=True)
+        return out
 
-    def fetch(self, store_name: str, key: BlockKey) -> np.ndarray | None:
+    def fetch(self, owner: StoreRef, key: BlockKey) -> np.ndarray | None:
         """The state's bytes (read-only), within one timeout; None on any failure."""
+        store_name = owner.store_name
         handle = self._handle(store_name)
         if handle is None:
             return None
@@ -553,3 +524,8 @@ class SWARayTransport:
             self._handles.pop(name, None)
             log.debug("call to %s failed: %s", name, error)
             return None
+
+
+if TYPE_CHECKING:
+    # The entrypoint's shell answers what a fanout asks of it (a drifted signature fails mypy).
+    _entry_shell: type[EntrypointCalls] = SWAEntrypointActor

@@ -1,13 +1,14 @@
-"""The SWA tier as an engine (or any process in the Ray cluster) uses it.
+"""The SWA tier as an engine (or the gateway) uses it, over an injected transport.
 
 - ``put``: store a state on a machine's store (normally the machine that produced it).
-- ``lookup``: batched directory lookups, one call per shard, all shards in flight at once.
-- ``fetch`` / ``get``: bring a state's bytes from its owner, across Ray nodes when it lives
-  elsewhere; every fetch feeds the per-machine latency/bandwidth estimate of the advice.
-- ``hit_query``: ``query_hit`` over both tiers (``kvstore.swa.hit``).
+- ``lookup`` / ``locate``: batched directory lookups, one call per shard, all shards in flight.
+- ``fetch`` / ``get``: bring a state's bytes from its owner; every fetch feeds the per-machine
+  latency/bandwidth estimate of the fetch-or-replay advice.
 
-Nothing here raises for an unreachable actor: a shard or store that does not answer within
-``call_timeout_s`` is a miss. A fetched blob of the wrong size is a miss too (never wrong bytes).
+The transport (``kvstore.swa.transport``) moves the calls: in-process objects in unit tests, Ray
+actors and their direct sockets in a cluster (``kvstore.runtime.swa_actors``). Nothing here
+raises for an unreachable shard or store: no answer within ``call_timeout_s`` is a miss, and so
+is a fetched blob of the wrong size (never wrong bytes).
 """
 
 from __future__ import annotations
@@ -16,19 +17,15 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, check_key, check_keys
 from kvstore.swa.advice import FetchReplayAdvisor
 from kvstore.swa.directory import ShardMap, StoreRef
 from kvstore.swa.store import check_state
-
-if TYPE_CHECKING:
-    from kvstore.runtime.swa_actors import SWADeployment
-    from kvstore.swa.hit import BlockLookup, HitGeometry, HitQuery
+from kvstore.swa.transport import LookupCalls, SWALayout, SWATransport
 
 log = logging.getLogger(__name__)
 
@@ -42,24 +39,27 @@ class FetchedState:
 
 
 class SWAClient:
-    """Client of one SWA deployment; ``local_machine`` is the machine this process runs on (its
-    own store is preferred when several hold a state, and fetches from it count as local)."""
+    """Client of one SWA tier; ``local_machine`` is the machine this process runs on (its own
+    store is preferred when several hold a state, and fetches from it count as local)."""
 
-    def __init__(self, deployment: SWADeployment, *, local_machine: str | None = None) -> None:
-        from kvstore.runtime.swa_actors import SWARayTransport, entry_actor_name
-
-        self.deployment = deployment
+    def __init__(
+        self, layout: SWALayout, transport: SWATransport, *, local_machine: str | None = None
+    ) -> None:
+        self.layout = layout
         self.local_machine = local_machine
-        config = deployment.config
-        self._shards = ShardMap(deployment.shards)
-        self._entry_names = {s: entry_actor_name(config, s) for s in deployment.shards}
-        self._transport = SWARayTransport(config.call_timeout_s)
+        self._shards = ShardMap(layout.shards)
+        self._transport = transport
         self.advisor = FetchReplayAdvisor(
-            config=config,
-            state_bytes=deployment.state_bytes,
-            stored_layers=deployment.stored_layers,
-            replay_tokens=deployment.window,
+            config=layout.config,
+            state_bytes=layout.state_bytes,
+            stored_layers=layout.stored_layers,
+            replay_tokens=layout.window,
         )
+
+    @property
+    def machines(self) -> list[str]:
+        """Machines with a store, sorted."""
+        return sorted(self.layout.stores)
 
     # --- directory --------------------------------------------------------------------
 
@@ -67,25 +67,29 @@ class SWAClient:
         self, keys: Sequence[BlockKey], prefer_machine: str | None = None
     ) -> list[StoreRef | None]:
         """Owner of each key or None (miss). One call per shard, all in flight together."""
+        checked, groups, calls = self._lookup_calls(keys, prefer_machine)
+        return _owners(checked, groups, self._transport.lookup(calls))
+
+    async def lookup_async(
+        self, keys: Sequence[BlockKey], prefer_machine: str | None = None
+    ) -> list[StoreRef | None]:
+        """``lookup`` for a caller on an asyncio loop (the gateway's hit path)."""
+        checked, groups, calls = self._lookup_calls(keys, prefer_machine)
+        return _owners(checked, groups, await self._transport.lookup_async(calls))
+
+    def _lookup_calls(
+        self, keys: Sequence[BlockKey], prefer_machine: str | None
+    ) -> tuple[list[BlockKey], dict[str, list[int]], LookupCalls]:
         checked = check_keys(keys, "keys")
         prefer = self.local_machine if prefer_machine is None else prefer_machine
         groups = self._shards.group(checked)
         calls = {
-            self._entry_names[shard]: ([checked[i] for i in indices], prefer)
-            for shard, indices in groups.items()
+            shard: ([checked[i] for i in indices], prefer) for shard, indices in groups.items()
         }
-        answers = self._transport.lookup(calls)
-        owners: list[StoreRef | None] = [None] * len(checked)
-        for shard, indices in groups.items():
-            answer = answers.get(self._entry_names[shard])
-            if answer is None or len(answer) != len(indices):
-                continue  # shard unreachable or confused: its keys are misses
-            for index, owner in zip(indices, answer, strict=True):
-                owners[index] = owner
-        return owners
+        return checked, groups, calls
 
     def locate(self, key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None:
-        """Owner of one state key (the ``StateLocator`` of ``kvstore.swa.hit``)."""
+        """Owner of one state key (the ``StateLocator`` of ``kvstore.tier.hit``)."""
         return self.lookup([key], prefer_machine)[0]
 
     # --- states -----------------------------------------------------------------------
@@ -93,37 +97,33 @@ class SWAClient:
     def put(self, machine_id: str, key: BlockKey, position: int, blob: object) -> bool:
         """Store a state on ``machine_id``'s store. True once registered in the directory;
         False when stored but the registration is still pending (the store retries).
-        Raises ``StateRejected`` (wrong size / position) before anything is sent, and
-        ``StoreError`` when the store could not take it."""
+        Raises ``StateRejected`` (wrong size / position) before anything is sent,
+        ``InvalidArgument`` for an unknown machine, and ``StoreError`` when the store could
+        not take it."""
         key = check_key(key, "key")
         array = check_state(
             position,
             blob,
-            state_bytes=self.deployment.state_bytes,
-            block_tokens=self.deployment.block_tokens,
+            state_bytes=self.layout.state_bytes,
+            block_tokens=self.layout.block_tokens,
         )
-        name = self.deployment.stores.get(machine_id)
-        if name is None:
-            raise InvalidArgument(
-                "machine_id",
-                f"no SWA store on {machine_id!r} (on {sorted(self.deployment.stores)})",
-            )
+        name = self.layout.store_name(machine_id)
         return self._transport.put(name, key, int(position), array)
 
     def fetch(self, owner: StoreRef, key: BlockKey) -> FetchedState | None:
         """The state's bytes from ``owner``, or None (gone, owner lost, timeout, bad size)."""
         start = time.perf_counter()
-        blob = self._transport.fetch(owner.store_name, key)
+        blob = self._transport.fetch(owner, key)
         seconds = time.perf_counter() - start
         if blob is None:
             return None
-        if blob.dtype != np.uint8 or blob.size != self.deployment.state_bytes:
+        if blob.dtype != np.uint8 or blob.size != self.layout.state_bytes:
             log.warning(
                 "state %s from %s has %s B, expected %s B: treated as a miss",
                 key.hex()[:16],
                 owner.machine_id,
                 blob.size,
-                self.deployment.state_bytes,
+                self.layout.state_bytes,
             )
             return None
         if seconds > 0:
@@ -138,7 +138,7 @@ class SWAClient:
     def measure_link(self, machine_id: str, samples: int = 3) -> float | None:
         """Ping ``machine_id``'s store ``samples`` times to feed the latency estimate; returns
         the best round trip (None when the store did not answer)."""
-        name = self.deployment.stores.get(machine_id)
+        name = self.layout.stores.get(machine_id)
         if name is None:
             return None
         best: float | None = None
@@ -150,19 +150,38 @@ class SWAClient:
             best = seconds if best is None else min(best, seconds)
         return best
 
-    # --- both tiers -------------------------------------------------------------------
-
-    def hit_query(self, blocks: BlockLookup, geometry: HitGeometry) -> HitQuery:
-        """A ``HitQuery`` over ``blocks`` (the block tier) and this SWA directory."""
-        from kvstore.swa.hit import HitQuery
-
-        return HitQuery(
-            blocks=blocks,
-            states=self,
-            advisor=self.advisor,
-            geometry=geometry,
-            local_machine=self.local_machine,
-        )
+    def stats(self) -> dict[str, Any]:
+        """The stores' figures summed (``bytes``, ``states``, ...), with ``stores_answering``
+        and each store's own figures under ``by_machine``."""
+        by_name = self._transport.stats()
+        machine_of = {name: machine for machine, name in self.layout.stores.items()}
+        totals: dict[str, Any] = {"stores": len(self.layout.stores), "stores_answering": 0}
+        by_machine: dict[str, Any] = {}
+        for name, figures in by_name.items():
+            by_machine[machine_of.get(name, name)] = figures
+            if figures is None:
+                continue
+            totals["stores_answering"] += 1
+            for field_name, value in figures.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    totals[field_name] = totals.get(field_name, 0) + value
+        totals["by_machine"] = by_machine
+        return totals
 
     def __repr__(self) -> str:
-        return f"SWAClient({self.deployment.config.name!r}, local={self.local_machine!r})"
+        return f"SWAClient({self.layout.config.name!r}, local={self.local_machine!r})"
+
+
+def _owners(
+    checked: list[BlockKey],
+    groups: dict[str, list[int]],
+    answers: dict[str, list[StoreRef | None] | None],
+) -> list[StoreRef | None]:
+    owners: list[StoreRef | None] = [None] * len(checked)
+    for shard, indices in groups.items():
+        answer = answers.get(shard)
+        if answer is None or len(answer) != len(indices):
+            continue  # shard unreachable or confused: its keys are misses
+        for index, owner in zip(indices, answer, strict=True):
+            owners[index] = owner
+    return owners

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.errors import ConfigError
@@ -120,29 +120,8 @@ class SWAConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SWAConfig:
-        """Read ``KVSTORE_SWA_<FIELD>`` variables (e.g. ``KVSTORE_SWA_TTL_S=120``)."""
-        source = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for item in fields(cls):
-            raw = source.get(_ENV_PREFIX + item.name.upper())
-            if raw is None:
-                continue
-            values[item.name] = _parse_env(item.name, raw)
-        return cls(**values)
+        """Read ``KVSTORE_SWA_<FIELD>`` variables (e.g. ``KVSTORE_SWA_TTL_S=120``;
+        ``auto`` for the optional sizes)."""
+        from kvstore.config import from_env  # the one environment loader
 
-
-def _parse_env(name: str, raw: str) -> Any:
-    text = raw.strip()
-    if name == "name":
-        return text
-    if name in ("capacity_bytes", "num_entrypoints"):
-        if text.lower() in ("", "none", "auto"):
-            return None
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(name, f"must be an integer or 'auto', got {raw!r}") from None
-    try:
-        return float(text)
-    except ValueError:
-        raise ConfigError(name, f"must be a number, got {raw!r}") from None
+        return from_env(cls, _ENV_PREFIX, env)

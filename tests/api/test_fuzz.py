@@ -25,6 +25,7 @@ from kvstore.api.servicer import MAX_KEYS_PER_REQUEST
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.runtime.service import RunningService, embedded_service
+from kvstore.tier.records import HitRequest
 
 TOKEN = "fuzz-token-0123456789"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -266,7 +267,7 @@ def test_fuzz_get_blocks(stub: pb_grpc.KVStoreStub, tally: Tally) -> None:
 def test_fuzz_put_swa_state(
     stub: pb_grpc.KVStoreStub, running: RunningService, tally: Tally
 ) -> None:
-    size = running.backend.state_size
+    size = running.tier.state_size
     machines = sorted(running.service.swa.stores)
     state = st.one_of(
         st.binary(max_size=256),
@@ -468,9 +469,11 @@ def test_the_server_is_alive_and_correct_after_the_fuzz(
         assert put.committed == 6 and not put.failed_keys
         reads = client.get_blocks(keys)
         assert [r.payload for r in reads] == payloads
-        answer = client.query_hit(block_keys=keys, prompt_len=6 * 128 + 300, take_lease=True)
+        answer = client.query_hit(
+            HitRequest(block_keys=keys, prompt_len=6 * 128 + 300, take_lease=True)
+        )
         assert answer.plan.block_hit_tokens == 6 * 128
-        assert client.release(answer.lease_id or "") is True
+        assert client.release_lease(answer.lease_id or "") is True
         # Everything the fuzz stored is still exactly there.
         fuzz_keys = list(tally.blocks)[:200]
         if fuzz_keys:

@@ -22,6 +22,7 @@ from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidArgument
 from kvstore.keys import block_keys
 from kvstore.runtime.service import RunningService, embedded_service
+from kvstore.tier.records import HitRequest
 
 TOKEN = "test-token-0123456789"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -59,7 +60,7 @@ def _payloads(keys: list[bytes], size: int) -> list[bytes]:
 
 
 def test_every_rpc_round_trips(running: RunningService, client: KVStoreClient) -> None:
-    fingerprint = running.backend.model_fingerprint
+    fingerprint = running.tier.model_fingerprint
     tokens = np.random.default_rng(11).integers(0, 128_000, 128 * 12 + 150, dtype=np.uint32)
     keys = block_keys(fingerprint, tokens)
     payloads = _payloads(keys[:8], 20_000)
@@ -68,31 +69,36 @@ def test_every_rpc_round_trips(running: RunningService, client: KVStoreClient) -
     assert put.committed == 8 and not put.failed_keys
 
     # Block hit 8 blocks = 1024 tokens; no SWA state yet → back off one block (SPEC §5).
-    answer = client.query_hit(token_ids=tokens.tolist(), traffic_class="agent")
+    answer = client.query_hit(HitRequest(token_ids=tokens.tolist(), traffic_class="agent"))
     assert answer.plan.block_hit_tokens == 1024
     assert answer.plan.hit_tokens == 896 and not answer.plan.swa_hit
     assert answer.lease_id
-    assert list(answer.hit_block_keys) == keys[:8]
+    # The keys of the blocks the engine loads: the 8th is recomputed to rebuild the window.
+    assert list(answer.hit_block_keys) == keys[:7]
     reads = client.get_blocks(list(answer.hit_block_keys), lease_id=answer.lease_id)
-    assert [read.payload for read in reads] == payloads
+    assert [read.payload for read in reads] == payloads[:7]
 
-    state = np.random.default_rng(5).bytes(running.backend.state_size)
+    state = np.random.default_rng(5).bytes(running.tier.state_size)
     owner = client.put_swa_state(keys[7], 1024, state)
     assert owner
     fetched = client.get_swa_state(keys[7], 1024)
     assert fetched.state == state and fetched.owner == owner
 
     # Now the state at L1 exists: hit = L1, with the owner and fetch-or-replay advice.
-    answer = client.query_hit(block_keys=keys, prompt_len=int(tokens.size), traffic_class="agent")
+    answer = client.query_hit(
+        HitRequest(block_keys=keys, prompt_len=int(tokens.size), traffic_class="agent")
+    )
     assert answer.plan.hit_tokens == 1024 and answer.plan.swa_hit
     assert answer.swa_owner == owner
     assert answer.advice in ("fetch", "replay")
     assert answer.fetch_seconds > 0 and answer.replay_seconds > 0
-    assert client.release(answer.lease_id or "")
-    assert not client.release(answer.lease_id or "")  # released once only
+    assert client.release_lease(answer.lease_id or "")
+    assert not client.release_lease(answer.lease_id or "")  # released once only
 
     bounded = client.query_hit(
-        block_keys=keys, prompt_len=int(tokens.size), mode="bounded-replay", take_lease=False
+        HitRequest(
+            block_keys=keys, prompt_len=int(tokens.size), mode="bounded-replay", take_lease=False
+        )
     )
     assert bounded.lease_id is None and bounded.plan.hit_tokens == 1024
 
@@ -169,7 +175,7 @@ def test_bad_swa_and_block_fields(stub: pb_grpc.KVStoreStub, running: RunningSer
         (
             lambda: stub.PutSWAState(
                 pb.PutSWAStateRequest(
-                    key=bytes(32), position=100, state=bytes(running.backend.state_size)
+                    key=bytes(32), position=100, state=bytes(running.tier.state_size)
                 ),
                 metadata=AUTH,
             ),
@@ -232,7 +238,7 @@ def test_bad_swa_and_block_fields(stub: pb_grpc.KVStoreStub, running: RunningSer
 def test_keys_sent_packed_or_one_by_one_get_the_same_plan_in_the_same_form(
     running: RunningService, client: KVStoreClient, stub: pb_grpc.KVStoreStub
 ) -> None:
-    fingerprint = running.backend.model_fingerprint
+    fingerprint = running.tier.model_fingerprint
     tokens = np.random.default_rng(23).integers(0, 128_000, 128 * 6 + 140, dtype=np.uint32)
     keys = block_keys(fingerprint, tokens)
     client.put_blocks(keys[:4], _payloads(keys[:4], 5_000), "chatbot")
@@ -242,12 +248,14 @@ def test_keys_sent_packed_or_one_by_one_get_the_same_plan_in_the_same_form(
     )
     one_by_one = stub.QueryHit(pb.QueryHitRequest(block_keys=keys, **common), metadata=AUTH)
     assert packed.plan == one_by_one.plan and packed.plan.block_hit_tokens == 4 * 128
-    assert packed.hit_block_keys_packed == b"".join(keys[:4]) and not packed.hit_block_keys
-    assert list(one_by_one.hit_block_keys) == keys[:4] and not one_by_one.hit_block_keys_packed
-    answer = client.query_hit(block_keys=keys, **common)  # the Python client packs
-    assert list(answer.hit_block_keys) == keys[:4]
+    # No state at L1: the hit backs off one block, and the keys are those of the 3 it loads.
+    assert packed.plan.hit_tokens == 3 * 128
+    assert packed.hit_block_keys_packed == b"".join(keys[:3]) and not packed.hit_block_keys
+    assert list(one_by_one.hit_block_keys) == keys[:3] and not one_by_one.hit_block_keys_packed
+    answer = client.query_hit(HitRequest(block_keys=keys, **common))  # the Python client packs
+    assert list(answer.hit_block_keys) == keys[:3]
     with pytest.raises(InvalidArgument, match=r"block_keys\[2\]"):
-        client.query_hit(block_keys=[keys[0], keys[1], keys[2][:31]], **common)
+        client.query_hit(HitRequest(block_keys=[keys[0], keys[1], keys[2][:31]], **common))
 
 
 def test_unknown_lease_is_not_found(stub: pb_grpc.KVStoreStub) -> None:
@@ -292,7 +300,7 @@ def test_metrics_endpoint_exports_figures(running: RunningService, client: KVSto
 
 
 def test_tls_server_round_trips(ray_cluster, tmp_path: Path, running: RunningService) -> None:  # type: ignore[no-untyped-def]
-    from kvstore.runtime.service import Gateway
+    from kvstore.api.gateway import Gateway
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
@@ -317,7 +325,7 @@ def test_tls_server_round_trips(ray_cluster, tmp_path: Path, running: RunningSer
         check=True,
         capture_output=True,
     )
-    gateway = Gateway(running.service, ServerOptions(tls_cert=cert, tls_key=key))
+    gateway = Gateway(running.tier, ServerOptions(tls_cert=cert, tls_key=key))
     try:
         with KVStoreClient(gateway.address, tls_root_cert=cert) as secure:
             assert secure.serving()

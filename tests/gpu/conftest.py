@@ -1,6 +1,6 @@
 """Shared pieces of the engine-side tests: a small geometry, a file tier, a staging area.
 
-The tier is ``kvstore.gpu.dirtier.DirectoryTier``: real checksummed files under ``tmp_path``
+The tier is ``kvstore.tier.files.DirectoryTier``: real checksummed files under ``tmp_path``
 that the fetcher process (a real spawned process) reads. The staging area is a real file in
 /dev/shm. Nothing here is faked except the GPU (tests run on the CPU path; CUDA tests skip).
 """
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from kvstore.geometry import GeometryConfig
-from kvstore.gpu.dirtier import DirectoryTier
 from kvstore.gpu.kvlayout import KVLayout
 from kvstore.gpu.staging import StagingArea
 from kvstore.keys import BlockKey, block_keys
+from kvstore.tier.files import DirectoryTier
 
 
 @dataclass
@@ -43,9 +43,8 @@ def kv(geometry: GeometryConfig) -> KVLayout:
 
 @pytest.fixture
 def tier(tmp_path, geometry: GeometryConfig, kv: KVLayout) -> DirectoryTier:
-    return DirectoryTier(
-        tmp_path / "tier", model_fingerprint=geometry.fingerprint(), state_bytes=kv.state_bytes
-    )
+    assert kv.state_bytes == geometry.state_size_to_disk
+    return DirectoryTier(tmp_path / "tier", geometry)
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import pytest
 
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
 from kvstore.geometry import GeometryConfig
-from kvstore.gpu.clustertier import ClusterReaderFactory, ClusterTier
 from kvstore.gpu.connector import ConnectorConfig, EngineRequest, KVConnector
 from kvstore.gpu.kvlayout import KVLayout
 from kvstore.gpu.pools import DevicePools
@@ -23,6 +22,7 @@ from kvstore.keys import block_keys
 from kvstore.runtime.cluster import LocalCluster
 from kvstore.runtime.deploy import deploy_blockstore
 from kvstore.runtime.swa_actors import deploy_swa
+from kvstore.runtime.tiers import ClusterReaderFactory, cluster_tier
 from kvstore.swa.config import SWAConfig
 
 GEOMETRY = GeometryConfig(num_state_seqs=2)
@@ -53,9 +53,7 @@ def deployed(ray_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
 def test_load_from_the_real_tier_and_save_back(ray_cluster: LocalCluster, deployed) -> None:
     config, blocks, swa = deployed
     m0, m1 = ray_cluster.machines[:2]
-    tier = ClusterTier(
-        blocks.client(), swa.client(local_machine=m0), geometry=GEOMETRY, local_machine=m0
-    )
+    tier = cluster_tier(blocks, swa, GEOMETRY, local_machine=m0)
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, 50_000, 5 * 128 + 60)  # 700 tokens: cap 566 → L1 = 512
     keys = block_keys(GEOMETRY.fingerprint(), tokens)
@@ -66,7 +64,9 @@ def test_load_from_the_real_tier_and_save_back(ray_cluster: LocalCluster, deploy
     assert tier.put_swa_state(keys[3], 512, state.tobytes(), machine=m1) == m1
 
     pools = DevicePools(GEOMETRY, num_blocks=8)
-    factory = ClusterReaderFactory(ray_cluster.address, config, swa, local_machine=m0)
+    factory = ClusterReaderFactory(
+        ray_cluster.address, config, GEOMETRY, swa.layout(), local_machine=m0
+    )
     connector = KVConnector(
         pools,
         reader_factory=factory,
@@ -92,7 +92,7 @@ def test_load_from_the_real_tier_and_save_back(ray_cluster: LocalCluster, deploy
                 assert np.array_equal(row, KV.block_slice(payload, layer))
         for layer in KV.state_layers:
             assert np.array_equal(pools.swa[layer][slot].numpy(), KV.state_slice(state, layer))
-        assert tier._leases == {}  # the hit's lease was given back after the load
+        assert tier.stats().extra["open_leases"] == 0  # given back after the load
 
         # This engine computes block 4 and saves it through the real block store.
         block_four = rng.integers(0, 256, KV.block_bytes, dtype=np.uint8)

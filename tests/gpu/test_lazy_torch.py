@@ -15,8 +15,8 @@ MODULES = [
     "kvstore.gpu.swapin",
     "kvstore.gpu.pools",
     "kvstore.gpu.save",
-    "kvstore.gpu.dirtier",
-    "kvstore.gpu.clustertier",
+    "kvstore.tier.files",
+    "kvstore.tier.cluster",
 ]
 
 

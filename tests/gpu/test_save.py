@@ -164,7 +164,7 @@ def test_rows_may_change_once_the_batch_is_sealed(tier, geometry, kv) -> None:
 
 
 def test_a_failed_put_is_a_result_not_an_exception(tmp_path, geometry, kv) -> None:
-    from kvstore.gpu.dirtier import DirectoryTier
+    from kvstore.tier.files import DirectoryTier
 
     broken = DirectoryTier(tmp_path / "gone")
     shutil.rmtree(tmp_path / "gone")  # the writer's directory vanished

@@ -12,6 +12,7 @@ from kvstore.geometry import GeometryConfig
 from kvstore.gpu.kvlayout import KVLayout
 from kvstore.gpu.staging import FAILED, OK, PENDING, StageLayout, StagingArea, map_staging_file
 from kvstore.ledger.layout import build_layout, swa_region_name
+from kvstore.tier.records import HitRequest
 
 # --- KVLayout ------------------------------------------------------------------------------------
 
@@ -193,18 +194,20 @@ def test_directory_tier_rejects_bad_state(tier, kv) -> None:
 def test_directory_tier_query_hit_applies_the_hit_rule(tier, store) -> None:
     prompt = store(6 * 128 + 10, state_at=640)
     tokens = list(prompt.tokens)
-    answer = tier.query_hit(token_ids=tokens)
+    answer = tier.query_hit(HitRequest(token_ids=tokens))
     # cap = 778 − 134 = 644 → L1 = 640; the state at 640 exists → hit 640.
     assert (answer.plan.block_hit_tokens, answer.plan.hit_tokens) == (640, 640)
     assert answer.plan.swa_hit and answer.swa_owner == "local"
     assert answer.hit_block_keys == tuple(prompt.keys[:5])
     tier.state_path(prompt.keys[4], 640).unlink()
-    answer = tier.query_hit(token_ids=tokens)
+    answer = tier.query_hit(HitRequest(token_ids=tokens))
     assert (answer.plan.hit_tokens, answer.plan.swa_hit) == (512, False)  # back off one block
-    answer = tier.query_hit(token_ids=tokens, mode="bounded-replay")
+    answer = tier.query_hit(HitRequest(token_ids=tokens, mode="bounded-replay"))
     assert answer.plan.hit_tokens == 640 and answer.plan.replay_start == 512
     tier.block_path(prompt.keys[2]).unlink()
-    assert tier.query_hit(token_ids=tokens).plan.block_hit_tokens == 256  # the run stops there
+    assert (
+        tier.query_hit(HitRequest(token_ids=tokens)).plan.block_hit_tokens == 256
+    )  # the run stops there
 
 
 def test_files_of_dead_engines_are_removed(tmp_path) -> None:

@@ -16,6 +16,7 @@ from kvstore.gpu.fetcher import Fetcher, FileGate
 from kvstore.gpu.pools import DevicePools
 from kvstore.gpu.staging import PreparedStage, StageLayout
 from kvstore.gpu.swapin import LoadTarget, SwapIn
+from kvstore.tier.records import HitRequest
 
 SENTINEL = 0xAB
 
@@ -58,7 +59,7 @@ def test_hit_plan_fetched_and_swapped_in_gives_exactly_the_stored_bytes(
     tier, store, fetcher, swapin, pools, kv, geometry
 ) -> None:
     prompt = store(6 * 128 + 10, state_at=640)
-    answer = tier.query_hit(token_ids=list(prompt.tokens))
+    answer = tier.query_hit(HitRequest(token_ids=list(prompt.tokens)))
     plan = answer.plan
     assert plan.hit_tokens == 640 and plan.swa_hit
     keys = list(answer.hit_block_keys)

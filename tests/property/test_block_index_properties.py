@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore.blockstore.index import BlockIndex
+from kvstore.keys import key_words
 
 W = 4
 T0 = 1_000_000.0
@@ -179,6 +180,12 @@ class IndexMachine(RuleBasedStateMachine):
         assert self.index._high <= len(KEY_SPACE)
 
 
+    @invariant()
+    def the_c_probe_agrees_with_the_numpy_reference(self) -> None:
+        words = key_words(KEY_SPACE)  # live, removed (tombstones) and never-written keys
+        assert np.array_equal(self.index.find(words), self.index._probe(words, insert=False)[0])
+
+
 TestBlockIndexMachine = IndexMachine.TestCase
 TestBlockIndexMachine.settings = settings(
     max_examples=150,
@@ -186,3 +193,27 @@ TestBlockIndexMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_the_c_probe_is_built_and_follows_long_chains_through_tombstones() -> None:
+    """The extension must be there (an install that silently fell back to numpy would pass
+    every other test, slower), and agree with the reference where chains are long: keys whose
+    words XOR to one value all share a home slot."""
+    from kvstore.blockstore import index as index_module
+
+    assert index_module._native is not None, "kvstore.blockstore._probe was not built"
+    rng = np.random.default_rng(3)
+    words = rng.integers(0, 2**63, size=(600, 4), dtype=np.uint64)
+    words[:300, 3] = words[:300, 0] ^ words[:300, 1] ^ words[:300, 2]  # XOR of all four = 0
+    index = BlockIndex(stripe_width=W)
+    keys = [row.tobytes() for row in words]
+    placement = np.zeros((600, W), dtype=np.int32)
+    index.upsert(keys, placement, np.ones(600, np.int64), np.zeros(600, np.uint8), T0)
+    index.remove(keys[::3])  # tombstones in the middle of the shared chain
+    absent = rng.integers(0, 2**63, size=(100, 4), dtype=np.uint64)
+    absent[:50, 3] = absent[:50, 0] ^ absent[:50, 1] ^ absent[:50, 2]
+    probe = np.concatenate([words, absent])
+    rows = index.find(probe)
+    assert np.array_equal(rows, index._probe(probe, insert=False)[0])
+    assert (rows[:600][::3] == -1).all() and (rows[600:] == -1).all()
+    assert (np.delete(rows[:600], np.arange(0, 600, 3)) >= 0).all()

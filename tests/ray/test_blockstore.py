@@ -16,10 +16,11 @@ import ray
 
 from kvstore.blockstore.client import BlockStoreClient
 from kvstore.blockstore.config import BlockStoreConfig
+from kvstore.geometry import GeometryConfig
 from kvstore.runtime.cluster import LocalCluster
 from kvstore.runtime.deploy import BlockStoreHandles, deploy_blockstore
 
-BLOCK = 113_920  # one V4.1-Flash block
+BLOCK = GeometryConfig.default().block_bytes  # one V4.1-Flash block
 
 
 class Tier:

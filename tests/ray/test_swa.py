@@ -17,9 +17,10 @@ from kvstore.errors import StateRejected
 from kvstore.geometry import GeometryConfig
 from kvstore.runtime.cluster import LocalCluster, pin_to_machine
 from kvstore.runtime.fastcall import FastChannel
-from kvstore.runtime.swa_actors import SWADeployment, deploy_swa, entry_actor_name
+from kvstore.runtime.swa_actors import SWADeployment, deploy_swa
 from kvstore.swa.config import SWAConfig
 from kvstore.swa.directory import ShardMap
+from kvstore.swa.transport import entry_target
 
 GEOMETRY = GeometryConfig.default()
 STATE = GEOMETRY.state_size_to_disk  # 1,415,040
@@ -373,8 +374,9 @@ def test_an_unresponsive_entrypoint_endpoint_delays_no_other_shard(swa: SWADeplo
             per_shard[shard_map.shard_of(key)].append(key)
     keys = [key for group in per_shard.values() for key in group]
     assert all(client.put(m0, k, 128, state(i)) for i, k in enumerate(keys))
-    fast = client._transport._fast  # the client's socket channels, by entrypoint actor name
-    names = [entry_actor_name(swa.config, shard) for shard in swa.shards]
+    # The client's socket channels, by target (the transport's fanout of the entrypoints).
+    fast = client._transport._entries._fast  # type: ignore[attr-defined]
+    names = [entry_target(shard) for shard in swa.shards]
     for shard, name in zip(swa.shards, names, strict=True):  # every shard on its socket
         endpoint = ray.get(swa.entrypoint(shard).fast_endpoint.remote(), timeout=30)
         fast._channels[name] = FastChannel(tuple(endpoint))

@@ -1,5 +1,5 @@
-"""query_hit over both real tiers on a local multi-node Ray cluster: the block store (leases)
-and the SWA directory, against hand-computed SPEC §5 plans in both modes."""
+"""query_hit over both real tiers on a local multi-node Ray cluster, through the tier facade: the
+block store (leases) and the SWA directory, against hand-computed SPEC §5 plans in both modes."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from kvstore.keys import block_keys
 from kvstore.runtime.cluster import LocalCluster
 from kvstore.runtime.deploy import BlockStoreHandles, deploy_blockstore
 from kvstore.runtime.swa_actors import SWADeployment, deploy_swa
+from kvstore.runtime.tiers import cluster_tier
 from kvstore.swa.config import SWAConfig
-from kvstore.swa.hit import BlockClientLookup
+from kvstore.tier.records import HitAnswer, HitRequest
 
 GEOMETRY = GeometryConfig.default()
 STATE = GEOMETRY.state_size_to_disk
@@ -58,64 +59,75 @@ def test_query_hit_plans_over_the_real_block_store_and_swa_directory(
 ) -> None:
     blocks, swa = tiers
     m0, m1 = ray_cluster.machines[:2]
-    block_client = blocks.client()
-    swa_client = swa.client(local_machine=m0)
-    query = swa_client.hit_query(BlockClientLookup(block_client), GEOMETRY)
+    tier = cluster_tier(blocks, swa, GEOMETRY, local_machine=m0)  # the one facade
+
+    def query(keys_or_tokens: object, mode: str = "standard", lease: bool = True) -> HitAnswer:
+        if isinstance(keys_or_tokens, np.ndarray):
+            return tier.query_hit(HitRequest(token_ids=keys_or_tokens, mode=mode, take_lease=lease))
+        return tier.query_hit(
+            HitRequest(
+                block_keys=keys_or_tokens, prompt_len=PROMPT_LEN, mode=mode, take_lease=lease
+            )
+        )
 
     # Prompt A: blocks 0..7 cached (L1 = 1024) and the state at 1024 stored on m1.
     tokens_a = prompt(1)
     keys_a = block_keys(GEOMETRY.fingerprint(), tokens_a)
     assert len(keys_a) == 11
-    put = block_client.put_blocks(keys_a[:8], [bytes([i]) * 4096 for i in range(8)])
-    assert put.ok and len(put.stored) == 8
+    payloads = [bytes([i]) * 4096 for i in range(8)]
+    put = tier.put_blocks(keys_a[:8], payloads)
+    assert put.stored == 8 and put.committed == 8 and not put.failed_keys
     state = np.random.default_rng(2).integers(0, 256, STATE, dtype=np.uint8)
-    assert swa_client.put(m1, keys_a[7], 1024, state) is True
+    assert tier.put_swa_state(keys_a[7], 1024, state.tobytes(), machine=m1) == m1
 
     for mode in ("standard", "bounded-replay"):
-        result = query.query_hit(keys_a, PROMPT_LEN, mode)
-        plan = result.plan
+        answer = query(keys_a, mode)
+        plan = answer.plan
         assert (plan.cap, plan.block_hit_tokens, plan.hit_tokens) == (1366, 1024, 1024)
         assert plan.swa_hit and plan.swa_position == 1024 and plan.swa_location == m1
         assert (plan.replay_tokens, plan.compute_from, plan.store_at) == (0, 1024, 1408)
-        assert result.swa_owner is not None and result.swa_owner.machine_id == m1
-        assert result.advice is not None and not result.advice.local
-        # The block lease covers exactly the 8 leading blocks.
-        assert result.leased_blocks == 8 and list(result.lease.keys) == keys_a[:8]
-        fetched = swa_client.fetch(result.swa_owner, result.swa_key)
-        assert fetched is not None and np.array_equal(fetched.blob, state)
-        block_client.release(result.lease)
+        assert answer.swa_owner == m1 and answer.advice in ("fetch", "replay")
+        assert answer.fetch_seconds > 0 and answer.replay_seconds > 0
+        # The lease covers the 8 leading blocks: a read with it needs no meta round trip.
+        assert list(answer.hit_block_keys) == keys_a[:8] and answer.lease_id
+        reads = tier.get_blocks(list(answer.hit_block_keys), answer.lease_id)
+        assert [read.payload for read in reads] == payloads
+        fetched = tier.get_swa_state(keys_a[7], 1024)
+        assert fetched.owner == m1 and fetched.state == state.tobytes()
     # Token ids give the same plan as keys.
-    by_tokens = query.query_hit(tokens_a, PROMPT_LEN, "standard")
-    assert by_tokens.plan == query.query_hit(keys_a, PROMPT_LEN, "standard").plan
-    block_client.release(by_tokens.lease)
+    by_tokens = query(tokens_a)
+    assert by_tokens.plan == query(keys_a, lease=False).plan
+    assert tier.release_lease(by_tokens.lease_id or "")
 
     # Prompt B: blocks 0..10 cached (run truncated to the cap: L1 = 1280), no state anywhere.
     tokens_b = prompt(3)
     keys_b = block_keys(GEOMETRY.fingerprint(), tokens_b)
-    assert block_client.put_blocks(keys_b, [bytes(4096)] * 11).ok
-    standard = query.query_hit(keys_b, PROMPT_LEN, "standard")
+    assert tier.put_blocks(keys_b, [bytes(4096)] * 11).committed == 11
+    standard = query(keys_b, "standard")
     assert (standard.plan.block_hit_tokens, standard.plan.hit_tokens) == (1280, 1152)
     assert not standard.plan.swa_hit and standard.swa_owner is None
-    assert standard.leased_blocks == 10  # the 11th block lies beyond the cap: not leased
-    bounded = query.query_hit(keys_b, PROMPT_LEN, "bounded-replay")
+    # The engine loads 9 blocks (the 10th is recomputed to rebuild the window).
+    assert list(standard.hit_block_keys) == keys_b[:9]
+    bounded = query(keys_b, "bounded-replay")
     assert (bounded.plan.hit_tokens, bounded.plan.replay_start, bounded.plan.replay_tokens) == (
         1280,
         1152,
         128,
     )
-    assert bounded.plan.compute_from == 1280
-    for result in (standard, bounded):
-        block_client.release(result.lease)
+    assert bounded.plan.compute_from == 1280 and list(bounded.hit_block_keys) == keys_b[:10]
+    for answer in (standard, bounded):
+        assert tier.release_lease(answer.lease_id or "")
 
-    # A state stored locally is preferred and counted as local.
-    assert swa_client.put(m0, keys_b[9], 1280, state) is True
-    local = query.query_hit(keys_b, PROMPT_LEN, "standard")
-    assert local.plan.hit_tokens == 1280 and local.swa_owner is not None
-    assert local.swa_owner.machine_id == m0 and local.advice is not None and local.advice.local
-    block_client.release(local.lease)
+    # A state stored locally is preferred.
+    assert tier.put_swa_state(keys_b[9], 1280, state.tobytes(), machine=m0) == m0
+    local = query(keys_b, "standard")
+    assert local.plan.hit_tokens == 1280 and local.swa_owner == m0
+    assert tier.release_lease(local.lease_id or "")
 
     # Nothing cached: no lease, hit 0, both modes.
     keys_c = block_keys(GEOMETRY.fingerprint(), prompt(4))
     for mode in ("standard", "bounded-replay"):
-        empty = query.query_hit(keys_c, PROMPT_LEN, mode)
-        assert empty.plan.hit_tokens == 0 and empty.lease is None and empty.leased_blocks == 0
+        empty = query(keys_c, mode)
+        assert empty.plan.hit_tokens == 0 and empty.lease_id is None
+        assert empty.hit_block_keys == ()
+    assert tier.stats().extra["open_leases"] == 0

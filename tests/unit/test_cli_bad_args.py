@@ -3,6 +3,7 @@ nothing on stdout, exit status 2 — and nothing started (each case fails before
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,11 +43,11 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (("demo", "--sessions", "-1"), "--sessions"),
     (("demo", "--engines", "0"), "--engines"),
     (("up", "--port", "70000"), "port"),
-    (("up", "--storage-nodes", "5"), "storage_nodes"),
+    (("up", "--storage-nodes", "5"), "--storage-nodes"),
     (("up", "--tls-cert", "/etc/hostname"), "tls"),
     (("up", "--token-file", "/nonexistent/token"), "token"),
     (("up", "--fsync", "sometimes"), "--fsync"),
-    (("up", "--meta-shards", "0"), "meta_shards"),
+    (("up", "--meta-shards", "0"), "--meta-shards"),
     (("chaos",), "--scenario"),
     (("chaos", "--scenario", "nope"), "--scenario"),
     (("chaos", "--scenario", "all", "--machines", "3"), "--machines"),
@@ -56,7 +57,7 @@ CASES: list[tuple[tuple[str, ...], str]] = [
 ]
 
 
-def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvstore.cli", *argv],
         capture_output=True,
@@ -64,6 +65,7 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
         timeout=120,
         cwd=REPO,
         stdin=subprocess.DEVNULL,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -87,3 +89,21 @@ def test_chaos_refuses_a_data_dir_that_holds_files(tmp_path: Path) -> None:
     result = run_cli("chaos", "--scenario", "kill-two", "--data-dir", str(tmp_path))
     assert_one_line_usage_error(result, "--data-dir")
     assert (tmp_path / "precious.txt").read_text() == "not chaos data"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("KVSTORE_BLOCKSTORE_CALL_TIMEOUT_S", "soon"),
+        ("KVSTORE_SWA_TTL_S", "-5"),
+        ("KVSTORE_PRESET", "v9"),
+        ("KVSTORE_GC_FILE", "/nonexistent/gc.toml"),
+    ],
+)
+def test_up_reads_its_settings_from_the_environment_and_names_a_bad_one(
+    variable: str, value: str
+) -> None:
+    """`kvstore up` takes every setting without a flag from the environment (one loader,
+    ``kvstore.config``); a bad one is refused before any cluster starts, by its name."""
+    result = run_cli("up", "--port", "0", env={variable: value})
+    assert_one_line_usage_error(result, "gc.toml" if variable == "KVSTORE_GC_FILE" else variable)

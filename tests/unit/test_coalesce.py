@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvstore.api.coalesce import Coalescer
+from kvstore.tier.coalesce import Coalescer
 
 
 def test_a_lone_call_is_a_batch_of_one() -> None:
@@ -65,3 +65,36 @@ def test_an_error_reaches_every_caller_of_that_batch() -> None:
     # The coalescer is not wedged by the failure.
     coalescer._batch = lambda items: list(items)
     assert coalescer.call(7) == 7
+
+
+def test_async_calls_made_while_a_batch_runs_form_the_next_one() -> None:
+    """On one asyncio loop: the first call runs at once, the calls made meanwhile share the next
+    batch, each caller gets its own answer, and a failing batch fails its callers only."""
+    import asyncio
+
+    from kvstore.tier.coalesce import AsyncCoalescer
+
+    sizes: list[list[int]] = []
+
+    async def batch(items: Sequence[int]) -> list[int]:
+        sizes.append(list(items))
+        await asyncio.sleep(0.01)  # in flight: later callers queue behind it
+        if 13 in items:
+            raise ValueError("unlucky batch")
+        return [item * 10 for item in items]
+
+    async def main() -> None:
+        coalescer: AsyncCoalescer[int, int] = AsyncCoalescer(batch)
+        first = asyncio.ensure_future(coalescer.call(1))
+        await asyncio.sleep(0)  # the first batch is running
+        rest = [asyncio.ensure_future(coalescer.call(i)) for i in (2, 3, 4)]
+        assert await first == 10
+        assert [await r for r in rest] == [20, 30, 40]
+        assert sizes == [[1], [2, 3, 4]]
+        assert (coalescer.batches, coalescer.items) == (2, 4)
+        doomed = asyncio.ensure_future(coalescer.call(13))
+        with pytest.raises(ValueError, match="unlucky"):
+            await doomed
+        assert await coalescer.call(5) == 50  # the coalescer goes on after a failed batch
+
+    asyncio.run(main())

@@ -35,11 +35,16 @@ from kvstore.errors import (
     ShardSizeMismatch,
     TooFewShards,
 )
+from kvstore.geometry import GeometryConfig
 from kvstore.keys import key_hex
 
 KEY = bytes(range(32))
 OTHER_KEY = bytes(range(1, 33))
-BLOCK = 113_920  # a V4.1-Flash block: 890 B/token x 128 tokens
+#: One V4.1-Flash block (114,048 B): 10 fragments of 11,405 B, padded to 11,456.
+BLOCK = GeometryConfig.default().block_bytes
+#: A block of exactly 10 64-byte-aligned fragments (11,392 B each): the size whose parity can be
+#: rebuilt in place (``Codec.rebuild_in_place`` needs ``size == k * fragment``).
+ALIGNED = 113_920
 
 
 def payload_of(size: int, seed: int = 0) -> bytes:
@@ -125,21 +130,25 @@ def test_codec_pickles_for_ray_actors(codec: Codec) -> None:
 # --- encode ------------------------------------------------------------------------------------
 
 
-def test_shards_are_uint8_arrays_of_header_plus_fragment(codec: Codec) -> None:
-    shards = codec.encode(payload_of(BLOCK), KEY)
-    fragment = fragment_length(BLOCK, 10)
-    assert fragment == 11_392 and fragment % 64 == 0
+@pytest.mark.parametrize(("size", "expected"), [(BLOCK, 11_456), (ALIGNED, 11_392)])
+def test_shards_are_uint8_arrays_of_header_plus_fragment(
+    codec: Codec, size: int, expected: int
+) -> None:
+    shards = codec.encode(payload_of(size), KEY)
+    fragment = fragment_length(size, 10)
+    assert fragment == expected and fragment % 64 == 0
     for shard in shards:
         assert isinstance(shard, np.ndarray) and shard.dtype == np.uint8 and shard.ndim == 1
-        assert shard.size == HEADER_BYTES + fragment == shard_length(BLOCK, 10)
-        assert codec.shard_length(BLOCK) == shard.size
+        assert shard.size == HEADER_BYTES + fragment == shard_length(size, 10)
+        assert codec.shard_length(size) == shard.size
 
 
 def test_data_shards_hold_the_payload_verbatim(codec: Codec) -> None:
     payload = payload_of(BLOCK, seed=3)
     shards = codec.encode(payload, KEY)
     joined = b"".join(shard[HEADER_BYTES:].tobytes() for shard in shards[:10])
-    assert joined == payload  # systematic: a healthy read is a concatenation
+    # Systematic: a healthy read is a concatenation (the last fragment zero-padded).
+    assert joined[:BLOCK] == payload and not any(joined[BLOCK:])
 
 
 @pytest.mark.parametrize(
@@ -626,11 +635,11 @@ def test_backend_rebuild_agrees_across_backends(codec: Codec, fallback: Codec) -
 
 @pytest.mark.parametrize("lost", [(0,), (3, 9), (0, 1)])
 def test_rebuild_in_place_restores_lost_data_rows(codec: Codec, lost: tuple[int, ...]) -> None:
-    payload = payload_of(BLOCK, seed=sum(lost) + 1)
+    payload = payload_of(ALIGNED, seed=sum(lost) + 1)
     shards = codec.encode(payload, KEY)
-    fragment = fragment_length(BLOCK, 10)
+    fragment = fragment_length(ALIGNED, 10)
     sources = [i for i in range(12) if i not in lost][:10]
-    window = np.full(BLOCK, 0xEE, dtype=np.uint8)
+    window = np.full(ALIGNED, 0xEE, dtype=np.uint8)
     for row in sources:
         if row < 10:
             window[row * fragment : (row + 1) * fragment] = shards[row][HEADER_BYTES:]
@@ -642,15 +651,15 @@ def test_rebuild_in_place_restores_lost_data_rows(codec: Codec, lost: tuple[int,
 def test_rebuild_in_place_validates_and_declines_without_isal(
     codec: Codec, fallback: Codec
 ) -> None:
-    shards = codec.encode(payload_of(BLOCK), KEY)
-    fragment = fragment_length(BLOCK, 10)
+    shards = codec.encode(payload_of(ALIGNED), KEY)
+    fragment = fragment_length(ALIGNED, 10)
     parity = [shards[10][HEADER_BYTES:]]
     sources = [*range(1, 10), 10]
-    window = np.zeros(BLOCK, dtype=np.uint8)
+    window = np.zeros(ALIGNED, dtype=np.uint8)
     with pytest.raises(InvalidArgument, match="window: must be k=10 equal rows"):
-        codec.rebuild_in_place(np.zeros(BLOCK + 1, np.uint8), sources, parity)
+        codec.rebuild_in_place(np.zeros(ALIGNED + 1, np.uint8), sources, parity)
     with pytest.raises(InvalidArgument, match="window: must be writable"):
-        codec.rebuild_in_place(bytes(BLOCK), sources, parity)
+        codec.rebuild_in_place(bytes(ALIGNED), sources, parity)
     with pytest.raises(InvalidArgument, match="sources"):
         codec.rebuild_in_place(window, [10, *range(1, 10)], parity)  # not ascending
     with pytest.raises(InvalidArgument, match="sources"):
@@ -665,12 +674,12 @@ def test_rebuild_in_place_validates_and_declines_without_isal(
 def test_decode_into_fast_path_never_returns_a_lying_parity(codec: Codec) -> None:
     # decode_into now tries the one-pass path first; a parity that checksums wrong bytes must
     # still be outvoted by the general path, straight into the caller's buffer.
-    payload = payload_of(BLOCK, seed=91)
+    payload = payload_of(ALIGNED, seed=91)
     shards = codec.encode(payload, KEY)
     lying = shards[10].copy()
     lying[HEADER_BYTES + 3] ^= 0x11
     lying = restamp(lying)
     damaged: list[object] = [None, *shards[1:10], lying, shards[11]]  # lying is in the first k
-    target = np.zeros(BLOCK, dtype=np.uint8)
-    assert codec.decode_into(damaged, target, key=KEY) == BLOCK
+    target = np.zeros(ALIGNED, dtype=np.uint8)
+    assert codec.decode_into(damaged, target, key=KEY) == ALIGNED
     assert target.tobytes() == payload

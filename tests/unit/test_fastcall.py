@@ -176,3 +176,29 @@ def test_dialing_an_endpoint_that_never_answers_gives_up_within_the_callers_dead
         assert time.monotonic() - started < HANDSHAKE_TIMEOUT_S
     finally:
         silent.close()
+
+
+def test_after_reply_work_runs_once_the_reply_is_out() -> None:
+    """A target's ``after_reply`` (a lookup's riding releases) never adds to the call's
+    latency: it runs after the reply is sent, under the actor's lock."""
+    lock = threading.Lock()
+    replied = threading.Event()
+    after_ran = threading.Event()
+
+    class Deferring(Target):
+        def after_reply(self) -> None:
+            assert self.lock.locked(), "after_reply ran without the actor's lock"
+            # Were this run before the reply was sent, the caller would never get it to set
+            # ``replied``: the wait below would time out.
+            assert replied.wait(10), "after_reply ran before the reply was out"
+            after_ran.set()
+
+    target = Deferring(lock)
+    server = FastCallServer(target, ("double",), lock)
+    try:
+        channel = FastChannel(server.endpoint)
+        assert np.array_equal(_call(channel, "double", np.arange(3)), [0, 2, 4])
+        replied.set()
+        assert after_ran.wait(10)
+    finally:
+        server.close()

@@ -104,12 +104,16 @@ class PutBlocksRequest(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ..., traffic_class: _Optional[str] = ...) -> None: ...
 
 class PutBlocksResponse(_message.Message):
-    __slots__ = ("committed", "failed_keys")
+    __slots__ = ("committed", "failed_keys", "existing", "busy_keys")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     FAILED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    EXISTING_FIELD_NUMBER: _ClassVar[int]
+    BUSY_KEYS_FIELD_NUMBER: _ClassVar[int]
     committed: int
     failed_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, committed: _Optional[int] = ..., failed_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    existing: int
+    busy_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, committed: _Optional[int] = ..., failed_keys: _Optional[_Iterable[bytes]] = ..., existing: _Optional[int] = ..., busy_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
     __slots__ = ("keys", "lease_id")

@@ -167,7 +167,7 @@ def gc_lease(tier: ChaosTier) -> ScenarioResult:
     )
     result.require(race.leased_reads > 0, "no leased read raced the GC")
     result.require(not race.errors, f"clients raised: {race.errors[:3]}")
-    final = tier.read(client=tier.fresh_client())
+    final = tier.read(reader=tier.fresh_reader())
     result.operations += len(ledger)
     result.wrong_bytes += final.wrong
     result.blocks_lost = final.misses

@@ -71,7 +71,7 @@ def meta_loss(tier: ChaosTier) -> ScenarioResult:
         lookup.hit_blocks == len(owned),
         f"lookup found {lookup.hit_blocks} of the shard's {len(owned)} blocks after the rebuild",
     )
-    final = tier.read(client=tier.fresh_client())
+    final = tier.read(reader=tier.fresh_reader())
     result.operations += len(tier.ledger) + len(owned)
     result.reads_ok += final.ok
     result.wrong_bytes += final.wrong

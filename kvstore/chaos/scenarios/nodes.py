@@ -27,7 +27,7 @@ from kvstore.chaos.scenarios.base import absorb_load, seconds_or_violation
 from kvstore.chaos.table import ScenarioResult
 from kvstore.chaos.tier import ChaosTier, wait_until
 from kvstore.keys import block_keys
-from kvstore.swa.hit import BlockClientLookup
+from kvstore.tier.records import HitRequest
 
 #: Blocks committed before each scenario's faults (more come from the load's writers).
 SEED_BLOCKS = 48
@@ -87,7 +87,7 @@ def kill_two(tier: ChaosTier) -> ScenarioResult:
     )
     if healed is not None:
         result.repair_s = time.monotonic() - restored
-    final = tier.read(client=tier.fresh_client())
+    final = tier.read(reader=tier.fresh_reader())
     result.operations += len(tier.ledger)
     result.wrong_bytes += final.wrong
     result.blocks_lost = final.misses
@@ -111,11 +111,10 @@ def kill_three(tier: ChaosTier) -> ScenarioResult:
     tokens = np.random.default_rng(config.seed + 2).integers(0, 100_000, prompt_len)
     keys = block_keys(geometry.fingerprint(), tokens)[:blocks]
     put = tier.put(keys)
-    result.require(len(put.stored) + len(put.existing) == blocks, f"prompt put failed: {put}")
+    result.require(put.committed == blocks, f"prompt put failed: {put}")
     tier.put_fresh(SEED_BLOCKS)
-    query = tier.swa_client().hit_query(BlockClientLookup(tier.client), geometry)
-    before = query.query_hit(keys, prompt_len, "standard")
-    tier.client.release(before.lease)
+    query = tier.facade()
+    before = query.query_hit(HitRequest(block_keys=keys, prompt_len=prompt_len, take_lease=False))
     result.require(
         before.plan.block_hit_tokens == blocks * geometry.block_tokens,
         f"healthy QueryHit counted {before.plan.block_hit_tokens} tokens of blocks",
@@ -147,8 +146,7 @@ def kill_three(tier: ChaosTier) -> ScenarioResult:
 
     # QueryHit stops counting at the first lost block; the service answers, bounded, no errors.
     started = time.monotonic()
-    after = query.query_hit(keys, prompt_len, "standard")
-    tier.client.release(after.lease)
+    after = query.query_hit(HitRequest(block_keys=keys, prompt_len=prompt_len, take_lease=False))
     result.details["query_hit_blocks"] = {
         "before": blocks,
         "after": after.plan.block_hit_tokens // geometry.block_tokens,
@@ -173,8 +171,8 @@ def kill_three(tier: ChaosTier) -> ScenarioResult:
     attempt = tier.put(tier.new_keys(4))
     result.operations += 4
     result.details["put_with_10_nodes"] = {
-        "stored": len(attempt.stored),
-        "failed": len(attempt.failed),
+        "stored": attempt.stored,
+        "failed": len(attempt.failed_keys),
     }
     answered_in = time.monotonic() - started
     result.details["answered_in_s"] = round(answered_in, 3)
@@ -188,15 +186,16 @@ def kill_three(tier: ChaosTier) -> ScenarioResult:
         tier.restart_node(node)
 
     def back() -> bool:
-        again = query.query_hit(keys, prompt_len, "standard")
-        tier.client.release(again.lease)
+        again = query.query_hit(
+            HitRequest(block_keys=keys, prompt_len=prompt_len, take_lease=False)
+        )
         return again.plan.block_hit_tokens == blocks * geometry.block_tokens
 
     healed = wait_until(
         lambda: (
             not tier.dead_nodes()
             and back()
-            and tier.read(client=tier.fresh_client()).ok == len(tier.ledger)
+            and tier.read(reader=tier.fresh_reader()).ok == len(tier.ledger)
         ),
         config.repair_timeout_s,
         0.3,
@@ -205,7 +204,7 @@ def kill_three(tier: ChaosTier) -> ScenarioResult:
         result, healed, "every block readable and counted again", config.repair_timeout_s
     )
     result.repair_s = time.monotonic() - restored if healed is not None else None
-    final = tier.read(client=tier.fresh_client())
+    final = tier.read(reader=tier.fresh_reader())
     result.operations += len(tier.ledger)
     result.wrong_bytes += final.wrong
     result.blocks_lost = final.misses
@@ -283,7 +282,7 @@ def restart(tier: ChaosTier) -> ScenarioResult:
         usage["shards"] == expected_shards,
         f"nodes hold {usage['shards']} shard files, the index needs {expected_shards}",
     )
-    final = tier.read(client=tier.fresh_client())
+    final = tier.read(reader=tier.fresh_reader())
     result.wrong_bytes += final.wrong
     result.blocks_lost = final.misses
     result.operations += len(tier.ledger)

@@ -106,7 +106,7 @@ def slow_node(tier: ChaosTier) -> ScenarioResult:
         p50_slow < DELAY_S / 2,
         f"the typical read waited for the slow node (p50 {p50_slow * 1e3:.0f} ms)",
     )
-    final = tier.read(client=tier.fresh_client())
+    final = tier.read(reader=tier.fresh_reader())
     result.operations += len(tier.ledger)
     result.wrong_bytes += final.wrong
     result.blocks_lost = final.misses

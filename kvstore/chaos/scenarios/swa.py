@@ -24,7 +24,7 @@ from kvstore.chaos.tier import ChaosTier, wait_until
 from kvstore.keys import BlockKey, block_keys
 from kvstore.swa.client import SWAClient
 from kvstore.swa.directory import ShardMap
-from kvstore.swa.hit import BlockClientLookup
+from kvstore.tier.records import HitAnswer, HitRequest
 
 STATES_PER_MACHINE = 3
 
@@ -90,13 +90,16 @@ def swa_loss(tier: ChaosTier) -> ScenarioResult:
         config.detect_timeout_s,
     )
     result.require(registered is not None, "states never registered in the directory")
-    query = client.hit_query(BlockClientLookup(tier.client), geometry)
-    before = query.query_hit(prompt, prompt_len, "standard")
-    tier.client.release(before.lease)
+    query = tier.facade()
+
+    def plan(mode: str) -> HitAnswer:
+        return query.query_hit(
+            HitRequest(block_keys=prompt, prompt_len=prompt_len, mode=mode, take_lease=False)
+        )
+
+    before = plan("standard")
     result.require(
-        before.plan.swa_hit
-        and before.swa_owner is not None
-        and before.swa_owner.machine_id == victim,
+        before.plan.swa_hit and before.swa_owner == victim,
         f"healthy QueryHit did not find the state on {victim}",
     )
 
@@ -166,10 +169,8 @@ def swa_loss(tier: ChaosTier) -> ScenarioResult:
         result, gone, "the lost machine's states leaving the directory", config.detect_timeout_s
     )
     started = time.monotonic()
-    during = query.query_hit(prompt, prompt_len, "standard")
-    tier.client.release(during.lease)
-    bounded = query.query_hit(prompt, prompt_len, "bounded-replay")
-    tier.client.release(bounded.lease)
+    during = plan("standard")
+    bounded = plan("bounded-replay")
     result.operations += 2
     result.details["query_hit_after_loss"] = {
         "standard": during.plan.to_dict(),
@@ -219,7 +220,7 @@ def swa_loss(tier: ChaosTier) -> ScenarioResult:
         result, healed, "the directory taking the machine back", config.repair_timeout_s
     )
     result.repair_s = time.monotonic() - crashed_at if healed is not None else None
-    final = tier.read(client=tier.fresh_client())
+    final = tier.read(reader=tier.fresh_reader())
     result.operations += len(tier.ledger)
     result.wrong_bytes += final.wrong
     result.blocks_lost = final.misses

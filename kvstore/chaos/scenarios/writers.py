@@ -157,7 +157,7 @@ def writer_killed(tier: ChaosTier) -> ScenarioResult:
         and result.details["space"]["unindexed_reclaimed"] > 0,
         "the killed writers left nothing to reclaim (the kills missed the put)",
     )
-    final = tier.read(client=tier.fresh_client())
+    final = tier.read(reader=tier.fresh_reader())
     result.operations += len(tier.ledger)
     result.wrong_bytes += final.wrong
     result.blocks_lost = final.misses

@@ -6,12 +6,16 @@ and queues build up; coalesced, the calls per round stay fixed and a round serve
 waiting. There is no timer: the first caller runs a batch at once (no added latency when idle);
 callers arriving meanwhile join the next batch, which the same leader runs as soon as the first
 returns.
+
+``Coalescer`` serves callers in threads; ``AsyncCoalescer`` the same for callers on one asyncio
+loop (the gateway's hit path), where a batch is run by a task and callers await its answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
@@ -87,3 +91,54 @@ class Coalescer(Generic[Item, Result]):
         for slot in batch:
             slot.finished = True
             slot.wake.set()
+
+
+class AsyncCoalescer(Generic[Item, Result]):
+    """``await call(item)`` → ``(await batch([items...]))[i]``; calls made while a batch is in
+    flight form the next one. For callers on one asyncio loop (no locks: the loop is the only
+    thread); ``batch`` must return one result per item, in order, or raise (every caller of
+    that batch gets the exception)."""
+
+    def __init__(
+        self, batch: Callable[[Sequence[Item]], Awaitable[Sequence[Result]]], max_batch: int = 64
+    ):
+        self._batch = batch
+        self._max_batch = max_batch
+        self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
+        self._running = False
+        self.batches = 0
+        self.items = 0
+
+    async def call(self, item: Item) -> Result:
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self._pending.append((item, future))
+        if not self._running:
+            self._running = True
+            # The first caller runs the batches at once; later callers only wait.
+            asyncio.get_running_loop().create_task(self._run())
+        return await future
+
+    async def _run(self) -> None:
+        try:
+            while self._pending:
+                batch = self._pending[: self._max_batch]
+                del self._pending[: self._max_batch]
+                try:
+                    results = await self._batch([item for item, _ in batch])
+                    if len(results) != len(batch):
+                        count = f"{len(results)} results for {len(batch)}"
+                        raise RuntimeError(f"batch answered {count}")
+                except BaseException as error:  # handed to every caller of this batch
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(error)
+                    if not isinstance(error, Exception):
+                        raise
+                else:
+                    for (_, future), result in zip(batch, results, strict=True):
+                        if not future.done():
+                            future.set_result(result)
+                self.batches += 1
+                self.items += len(batch)
+        finally:
+            self._running = False

@@ -1,0 +1,199 @@
+"""Configuration: one loader of environment variables for every frozen config, and the service's
+config root.
+
+``from_env(cls, prefix)`` is the only place kvstore reads configuration from the environment:
+each field of the frozen dataclass ``cls`` may be set by ``<prefix><FIELD>`` (upper case), a
+nested config field by ``<prefix><FIELD>_<SUBFIELD>``; the value is parsed by the field's type
+(ints, floats, ``true``/``false``, comma-separated tuples, ``none``/``auto`` for optional
+fields) and a value that does not parse is a ``ConfigError`` naming the variable. The configs
+then validate themselves (``__post_init__``) as always.
+
+``ServiceConfig`` is what ``kvstore up`` deploys: it embeds each part's own config (block tier,
+SWA tier, GC policy, model geometry) instead of re-declaring their fields, and derives the few
+values two parts share from one source — the traffic classes and the lease length from the GC
+policy (``gc/gc.toml``), which is where an operator states them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvstore.blockstore.config import BlockStoreConfig
+from kvstore.errors import ConfigError
+from kvstore.gc.config import DEFAULT_PATH as GC_DEFAULT_PATH
+from kvstore.gc.config import GCConfig
+from kvstore.geometry import GeometryConfig
+from kvstore.swa.config import SWAConfig
+
+C = TypeVar("C")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_NONE = ("", "none", "auto")
+
+
+def from_env(
+    cls: type[C],
+    prefix: str,
+    environ: Mapping[str, str] | None = None,
+    *,
+    lower: tuple[str, ...] = (),
+) -> C:
+    """``cls(**values from the environment)``; fields named in ``lower`` are case-folded
+    (names like presets and roles)."""
+    env = os.environ if environ is None else environ
+    return build(cls, env_values(cls, prefix, env, lower), prefix)
+
+
+def build(cls: type[C], values: dict[str, Any], prefix: str) -> C:
+    """``cls(**values)``; when it refuses a value that came from the environment, the error
+    names the variable (the user set ``KVSTORE_PRESET``, not a field called ``preset``)."""
+    try:
+        return cls(**values)
+    except ConfigError as error:
+        field_name = error.field.split(".")[-1]
+        if field_name in values and not error.field.startswith(prefix):
+            variable = prefix + field_name.upper()
+            raise ConfigError(variable, f"{error.detail} (field {error.field})") from None
+        raise
+
+
+def env_values(
+    cls: type, prefix: str, env: Mapping[str, str], lower: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The fields of dataclass ``cls`` set by variables ``<prefix><FIELD>`` in ``env`` (a
+    variable set to the empty string counts as unset)."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for item in dataclasses.fields(cls):
+        name = prefix + item.name.upper()
+        kind = hints[item.name]
+        if dataclasses.is_dataclass(kind):  # a nested config: its own fields, one level down
+            nested = env_values(kind, name + "_", env)  # type: ignore[arg-type]
+            if nested:
+                values[item.name] = build(kind, nested, name + "_")  # type: ignore[arg-type]
+            continue
+        raw = env.get(name)
+        if raw is not None and raw.strip():
+            text = raw.strip().lower() if item.name in lower else raw
+            values[item.name] = parse_value(name, text, kind, item.name)
+    return values
+
+
+def parse_value(name: str, raw: str, kind: Any, field_name: str = "") -> Any:
+    """``raw`` (an environment value) as type ``kind``; ``ConfigError(name)`` if it is not,
+    saying which config field it sets."""
+    text = raw.strip()
+    what = f" (field {field_name})" if field_name else ""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        if type(None) in args and text.lower() in _NONE:
+            return None
+        kind = next(arg for arg in args if arg is not type(None))
+        args = typing.get_args(kind)
+    if typing.get_origin(kind) is typing.Literal:
+        if text not in args:
+            raise ConfigError(
+                name, f"must be one of {', '.join(map(str, args))}, got {raw!r}{what}"
+            )
+        return text
+    if typing.get_origin(kind) is tuple:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    try:
+        if kind is bool:
+            if text.lower() in _TRUE + _FALSE:
+                return text.lower() in _TRUE
+            raise ValueError(text)
+        if kind is int:
+            return int(text, 10)
+        if kind is float:
+            return float(text)
+    except ValueError:
+        raise ConfigError(name, f"cannot parse {raw!r} as {kind.__name__}{what}") from None
+    return text
+
+
+def default_gc_config() -> GCConfig:
+    """``gc/gc.toml`` of the source tree when present, else the built-in defaults."""
+    if Path(GC_DEFAULT_PATH).is_file():
+        return GCConfig.from_file(GC_DEFAULT_PATH)
+    return GCConfig.from_dict({})
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """A whole deployment: the block tier, the SWA tier, the GC policy, the model.
+
+    ``blockstore.traffic_classes`` and ``blockstore.lease_seconds`` are taken from ``gc`` (the
+    operator's policy file): a class without a TTL cannot exist, and the lease a reader gets is
+    the one the GC honours."""
+
+    blockstore: BlockStoreConfig = field(
+        default_factory=lambda: BlockStoreConfig(deployment="kvstore")
+    )
+    geometry: GeometryConfig = field(default_factory=GeometryConfig.default)
+    swa: SWAConfig = field(default_factory=SWAConfig)
+    gc: GCConfig = field(default_factory=default_gc_config)
+    run_gc: bool = True
+    start_repair: bool = True
+
+    def __post_init__(self) -> None:
+        shared = {
+            "traffic_classes": self.gc.class_names,
+            "lease_seconds": self.gc.lease_default_s,
+        }
+        if any(getattr(self.blockstore, k) != v for k, v in shared.items()):
+            object.__setattr__(self, "blockstore", self.blockstore.with_overrides(**shared))
+
+    @property
+    def data_root(self) -> Path:
+        return Path(self.blockstore.data_root)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **changes: Any) -> ServiceConfig:
+        """The environment first (``KVSTORE_BLOCKSTORE_*``, ``KVSTORE_SWA_*``, the geometry's
+        ``KVSTORE_*``, ``KVSTORE_GC_FILE``: a gc.toml), then ``changes`` (None = not given):
+        a block tier field by its name (``data_root``, ``deployment``, ``storage_nodes``,
+        ``meta_shards``, ...), ``fsync`` / ``node_capacity_bytes`` for the storage nodes,
+        ``preset`` for the model, or one of this class's own fields."""
+        env = os.environ if environ is None else environ
+        changes = {k: v for k, v in changes.items() if v is not None}
+        own = {f.name for f in dataclasses.fields(cls)}
+        mine = {k: v for k, v in changes.items() if k in own}
+        block: dict[str, Any] = {"deployment": "kvstore"}
+        block.update(env_values(BlockStoreConfig, "KVSTORE_BLOCKSTORE_", env))
+        node = block.pop("node", BlockStoreConfig().node)
+        node_changes: dict[str, Any] = {}
+        preset = changes.pop("preset", None)
+        for key, value in changes.items():
+            if key in own:
+                continue
+            if key in ("fsync", "node_capacity_bytes"):
+                node_changes[key.removeprefix("node_")] = value
+            elif key in BlockStoreConfig.__dataclass_fields__:
+                block[key] = str(value) if key == "data_root" else value
+            else:
+                raise ConfigError(key, "not a field of ServiceConfig or of the block tier")
+        block["node"] = dataclasses.replace(node, **node_changes)
+        if "geometry" not in mine:
+            geometry = GeometryConfig.from_env(env)
+            mine["geometry"] = geometry if preset is None else geometry.replace(preset=preset)
+        if "swa" not in mine:
+            mine["swa"] = from_env(SWAConfig, "KVSTORE_SWA_", env)
+        if "gc" not in mine and env.get("KVSTORE_GC_FILE"):
+            mine["gc"] = GCConfig.from_file(env["KVSTORE_GC_FILE"])
+        from_environment = env_values(BlockStoreConfig, "KVSTORE_BLOCKSTORE_", env)
+        try:
+            blockstore = BlockStoreConfig(**block)
+        except ConfigError as error:
+            if error.field in from_environment and error.field not in changes:
+                variable = "KVSTORE_BLOCKSTORE_" + error.field.upper()
+                raise ConfigError(variable, f"{error.detail} (field {error.field})") from None
+            raise
+        return cls(blockstore=blockstore, **mine)

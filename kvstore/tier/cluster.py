@@ -1,0 +1,438 @@
+"""``ClusterTier``: the deployed tier (block store + SWA tier) behind the one seam.
+
+The gRPC gateway serves it, the engine connector's fetcher reads through it, the demo and the
+chaos load drive it. It owns what every caller of the cluster needs once:
+
+- the **lease table**: a lease is an id to its callers, a ``Lease`` with shard locations inside
+  (so a read with the lease needs no second meta round trip); bounded, swept on a timer
+  (``kvstore.tier.leases``);
+- **coalescing**: concurrent ``query_hit`` calls share one round of meta-shard and directory
+  calls (``kvstore.tier.coalesce``), so the cluster's call rate stays flat as concurrency grows;
+- the **answer translations** (``HitResult.answer``, ``PutAnswer`` from the block client's
+  ``PutResult``) and the per-class hit counters;
+- the merge of every part's figures into one ``Stats``.
+
+It holds no Ray: the block client reaches its nodes through a ``Fanout``, the SWA client
+through an ``SWATransport``, and the figures that only the control plane has (meta-shard and
+repair statistics) come through a ``TierControl``. ``kvstore.runtime.tiers`` wires it to Ray;
+the unit tests wire it to in-process objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvstore.blockstore.client import BlockStoreClient
+from kvstore.blockstore.records import Lease, PutResult
+from kvstore.clock import Clock
+from kvstore.errors import InvalidArgument, LeaseError, StoreError
+from kvstore.hitplan import check_store_position
+from kvstore.keys import BlockKey, check_key, check_keys
+from kvstore.swa.client import SWAClient
+from kvstore.swa.directory import StoreRef
+from kvstore.tier.coalesce import AsyncCoalescer, Coalescer
+from kvstore.tier.hit import HitGeometry, HitQuery, HitResult
+from kvstore.tier.leases import MAX_OPEN_LEASES, LeaseTable
+from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, StateRead, Stats
+
+log = logging.getLogger(__name__)
+
+#: Why a block read came back empty, as the gateway reports it.
+UNREADABLE = "unreadable_or_missing"
+
+
+class TierControl(Protocol):
+    """Figures only the control plane has. Each answers None for a part that did not answer."""
+
+    def meta_stats(self) -> list[dict[str, Any] | None]:
+        """Every meta shard's ``stats()``."""
+        ...
+
+    def repair_stats(self) -> dict[str, Any] | None: ...
+
+
+class NoControl:
+    """No control plane to ask (a tier seen from an engine process): no such figures."""
+
+    def meta_stats(self) -> list[dict[str, Any] | None]:
+        return []
+
+    def repair_stats(self) -> dict[str, Any] | None:
+        return None
+
+
+class _CoalescedBlocks:
+    """``BlockLookup`` for one traffic class, through the tier's shared lookup coalescers."""
+
+    def __init__(self, tier: ClusterTier, traffic_class: str) -> None:
+        self._tier = tier
+        self._traffic_class = traffic_class
+
+    def lookup(self, keys: np.ndarray) -> tuple[int, Any]:
+        result = self._tier._lookups.call((keys, self._traffic_class))
+        return int(result.hit_blocks), result.lease
+
+    async def lookup_async(self, keys: np.ndarray) -> tuple[int, Any]:
+        result = await self._tier._async_lookups().call((keys, self._traffic_class))
+        return int(result.hit_blocks), result.lease
+
+    def release(self, lease: Any) -> None:
+        self._tier._release(lease)
+
+
+class _CoalescedStates:
+    """``StateLocator`` through the tier's shared directory-lookup coalescers."""
+
+    def __init__(self, tier: ClusterTier) -> None:
+        self._tier = tier
+
+    def locate(self, key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None:
+        return self._tier._locates.call(key)
+
+    async def locate_async(
+        self, key: BlockKey, prefer_machine: str | None = None
+    ) -> StoreRef | None:
+        return await self._tier._async_locates().call(key)
+
+
+class _NoStates:
+    def locate(self, key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None:
+        return None
+
+    async def locate_async(
+        self, key: BlockKey, prefer_machine: str | None = None
+    ) -> StoreRef | None:
+        return None
+
+
+class ClusterTier:
+    """``kvstore.tier.protocols.Tier`` over a deployed block tier and (optionally) SWA tier.
+    Thread-safe: the gateway calls it from a pool of threads."""
+
+    def __init__(
+        self,
+        *,
+        blocks: BlockStoreClient,
+        swa: SWAClient | None,
+        geometry: HitGeometry,
+        state_size: int,
+        control: TierControl | None = None,
+        max_open_leases: int = MAX_OPEN_LEASES,
+        clock: Clock | None = None,
+        foreign_leases: bool = False,
+    ) -> None:
+        """``foreign_leases``: this tier reads for another process that took the leases (an
+        engine's fetcher process; its scheduler-side tier holds the leases and releases them
+        after the load), so a lease id it does not know is read without a lease instead of
+        being refused (the gateway refuses: NOT_FOUND)."""
+        self.model_fingerprint = geometry.fingerprint()
+        self.state_size = state_size
+        self._geometry = geometry
+        self._blocks = blocks
+        self._swa = swa
+        self._control = control or NoControl()
+        self._classes = tuple(blocks.config.traffic_classes)
+        self._storage_nodes = blocks.config.storage_nodes
+        self._leases: LeaseTable[Lease] = LeaseTable(max_open_leases, clock)
+        self._counters: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._degraded_reads = 0
+        self._lock = threading.Lock()
+        # Concurrent QueryHits share one round of meta-shard and directory calls.
+        self._lookups: Coalescer[tuple[np.ndarray, str], Any] = Coalescer(blocks.lookup_many)
+        self._locates: Coalescer[BlockKey, StoreRef | None] = Coalescer(
+            lambda keys: swa.lookup(list(keys)) if swa is not None else [None] * len(keys)
+        )
+        # The same for callers on the gateway's asyncio loop (made there, on first use).
+        self._async: tuple[AsyncCoalescer[Any, Any], AsyncCoalescer[Any, Any]] | None = None
+        # One hit query per traffic class, built once (it hashes the geometry's fingerprint).
+        states = _CoalescedStates(self) if swa is not None else _NoStates()
+        self._queries = {
+            name: HitQuery(
+                blocks=_CoalescedBlocks(self, name),
+                states=states,
+                geometry=geometry,
+                advisor=None if swa is None else swa.advisor,
+                local_machine=None if swa is None else swa.local_machine,
+            )
+            for name in self._classes
+        }
+        # Leases nobody gives back leave the table on a timer, not only when others come.
+        self._sweep_every = max(1.0, blocks.config.lease_seconds / 4)
+        self._closed = threading.Event()
+        self._sweeper: threading.Thread | None = None
+        self._foreign_leases = foreign_leases
+
+    @property
+    def local_machine(self) -> str | None:
+        return None if self._swa is None else self._swa.local_machine
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _class(self, traffic_class: str) -> str:
+        name = traffic_class or "default"
+        if name not in self._classes:
+            raise InvalidArgument(
+                "traffic_class", f"unknown class {name!r}; known: {', '.join(self._classes)}"
+            )
+        return name
+
+    def _count(self, traffic_class: str, **figures: int) -> None:
+        with self._lock:
+            for name, value in figures.items():
+                self._counters[traffic_class][name] += value
+
+    def _release(self, lease: Lease | None) -> None:
+        # Deferred: it rides on the next lookup to each meta shard (``release_batch_s``), so
+        # a release costs no cluster call of its own under load.
+        if lease is not None:
+            self._blocks.release_many([lease], wait=False)
+
+    def _keep_lease(self, lease: Lease) -> str:
+        for old in self._leases.add(lease):
+            self._release(old)
+        if self._sweeper is None:
+            with self._lock:
+                if self._sweeper is None:
+                    self._sweeper = threading.Thread(
+                        target=self._sweep_loop, name="lease-sweep", daemon=True
+                    )
+                    self._sweeper.start()
+        return lease.lease_id
+
+    def sweep_leases(self) -> int:
+        """Drop the leases past their end and give them back; returns how many. The sweeper
+        thread runs it every quarter lease length."""
+        expired = self._leases.sweep()
+        for lease in expired:
+            self._release(lease)
+        return len(expired)
+
+    def _sweep_loop(self) -> None:
+        while not self._closed.wait(self._sweep_every):
+            try:
+                self.sweep_leases()
+            except Exception:  # a control loop survives a failing step
+                log.exception("sweeping expired leases failed")
+
+    def close(self) -> None:
+        """Stop the lease sweeper and send every release still deferred."""
+        self._closed.set()
+        try:
+            self._blocks.flush_releases()
+        except StoreError:
+            log.info("releases not sent at close", exc_info=True)
+
+    # --- HitSource -----------------------------------------------------------------------------
+
+    def query_hit(self, request: HitRequest) -> HitAnswer:
+        name = self._class(request.traffic_class)
+        result = self._queries[name].query_hit(request.keys_or_tokens, request.length, request.mode)
+        return self._answer(name, result, request.take_lease)
+
+    async def query_hit_async(self, request: HitRequest) -> HitAnswer:
+        """``query_hit`` for a caller on an asyncio loop (the gateway's hit path): the same
+        answer, no thread parked on the cluster's replies."""
+        name = self._class(request.traffic_class)
+        query = self._queries[name]
+        result = await query.query_hit_async(request.keys_or_tokens, request.length, request.mode)
+        return self._answer(name, result, request.take_lease)
+
+    def _answer(self, name: str, result: HitResult, take_lease: bool) -> HitAnswer:
+        """Count the lookup, keep or give back its lease, and answer."""
+        plan = result.plan
+        block = plan.block_tokens
+        hit_blocks = plan.block_hit_tokens // block
+        looked_up = min(result.keys.shape[0], plan.cap // block)
+        self._count(name, lookups=1, hit_blocks=hit_blocks, miss_blocks=looked_up - hit_blocks)
+        lease: Lease | None = result.lease
+        lease_id = None
+        if lease is not None:
+            if take_lease and len(lease):
+                lease_id = self._keep_lease(lease)
+            else:
+                self._release(lease)
+        return result.answer(lease_id)
+
+    def _async_lookups(self) -> AsyncCoalescer[tuple[np.ndarray, str], Any]:
+        return self._async_coalescers()[0]
+
+    def _async_locates(self) -> AsyncCoalescer[BlockKey, StoreRef | None]:
+        return self._async_coalescers()[1]
+
+    def _async_coalescers(self) -> tuple[AsyncCoalescer[Any, Any], AsyncCoalescer[Any, Any]]:
+        if self._async is None:
+            swa = self._swa
+
+            async def locate_all(keys: Sequence[BlockKey]) -> list[StoreRef | None]:
+                if swa is None:
+                    return [None] * len(keys)
+                return await swa.lookup_async(list(keys))
+
+            lookups = AsyncCoalescer(self._blocks.lookup_many_async)
+            self._async = (lookups, AsyncCoalescer(locate_all))
+        return self._async
+
+    def release_lease(self, lease_id: str) -> bool:
+        lease = self._leases.take(lease_id)
+        if lease is None:
+            return False
+        self._release(lease)
+        return True
+
+    # --- TierReader ----------------------------------------------------------------------------
+
+    def get_blocks(self, keys: Sequence[bytes], lease_id: str | None = None) -> list[BlockRead]:
+        checked = check_keys(keys, "keys")
+        lease = self._leases.take(lease_id) if lease_id else None
+        if lease_id and lease is None and not self._foreign_leases:
+            raise LeaseError(f"lease {lease_id!r} is unknown or has expired; query again")
+        try:
+            outcome = self._blocks.read(checked, lease)
+        finally:
+            self._release(lease)  # the read is done: GC may collect again
+        degraded = sum(outcome.degraded)
+        if degraded:
+            with self._lock:
+                self._degraded_reads += degraded
+        return [
+            BlockRead(key=key, payload=payload.tobytes(), degraded=was_degraded)
+            if payload is not None
+            else BlockRead(key=key, payload=None, miss_reason=UNREADABLE)
+            for key, payload, was_degraded in zip(
+                checked, outcome.payloads, outcome.degraded, strict=True
+            )
+        ]
+
+    def get_swa_state(self, key: bytes, position: int) -> StateRead:
+        check_store_position(position, "position", block_tokens=self._geometry.block_tokens)
+        if self._swa is None:
+            return StateRead(state=None, miss_reason="no_swa_tier")
+        fetched = self._swa.get(check_key(key))
+        if fetched is None:
+            return StateRead(state=None, miss_reason="not_in_directory_or_owner_lost")
+        return StateRead(state=fetched.blob.tobytes(), owner=fetched.owner.machine_id)
+
+    # --- TierWriter ----------------------------------------------------------------------------
+
+    def put_blocks(
+        self, keys: Sequence[bytes], payloads: Sequence[bytes], traffic_class: str = ""
+    ) -> PutAnswer:
+        name = self._class(traffic_class)
+        return put_answer(self._blocks.put_blocks(keys, payloads, name))
+
+    def put_swa_state(
+        self, key: bytes, position: int, state: bytes, machine: str | None = None
+    ) -> str:
+        check_store_position(position, "position", block_tokens=self._geometry.block_tokens)
+        key = check_key(key)
+        if self._swa is None:
+            raise StoreError("this tier has no SWA tier to store the state in")
+        stores = self._swa.machines
+        target = machine or self.local_machine
+        if target is None:
+            # The writer did not say where it runs: spread states over the machines by key.
+            target = max(stores, key=lambda m: hashlib.blake2b(key + m.encode()).digest())
+        elif target not in stores:
+            raise InvalidArgument("machine", f"no SWA store on {target!r}; known: {stores}")
+        self._swa.put(target, key, position, np.frombuffer(state, dtype=np.uint8))
+        return target
+
+    # --- figures -------------------------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        metas = self._control.meta_stats()
+        repair = self._control.repair_stats()
+        classes: dict[str, dict[str, Any]] = {}
+        with self._lock:
+            for name in self._classes:
+                counters = self._counters.get(name, {})
+                classes[name] = {
+                    "lookups": counters.get("lookups", 0),
+                    "hit_blocks": counters.get("hit_blocks", 0),
+                    "miss_blocks": counters.get("miss_blocks", 0),
+                    "miss_reasons": defaultdict(int),
+                    "stored_bytes": 0,
+                }
+            degraded = self._degraded_reads
+        block_bytes = 0
+        for meta in metas:
+            if meta is None:
+                continue
+            block_bytes += int(meta.get("bytes", 0))
+            for name, size in meta.get("bytes_by_class", {}).items():
+                if name in classes:
+                    classes[name]["stored_bytes"] += int(size)
+            for name, reasons in meta.get("misses", {}).items():
+                target = classes.get(name)
+                if target is None:
+                    continue
+                for reason, count in reasons.items():
+                    target["miss_reasons"][reason] += int(count)
+        for figures in classes.values():
+            figures["miss_reasons"] = dict(figures["miss_reasons"])
+        dead = list(repair.get("dead_nodes", [])) if repair else []
+        down = set(self._blocks.down_nodes()) | set(dead)
+        swa = self._swa_stats()
+        return Stats(
+            classes=classes,
+            block_bytes_stored=block_bytes,
+            swa_bytes_stored=int(swa.get("used_bytes", 0)),
+            degraded_reads=degraded,
+            repairs_done=int(repair.get("stripes", 0)) if repair else 0,
+            repairs_pending=len(dead),
+            live_storage_nodes=self._storage_nodes - len(down),
+            storage_nodes=self._storage_nodes,
+            extra={
+                "model_fingerprint": self.model_fingerprint.hex(),
+                "open_leases": len(self._leases),
+                "meta_shards_answering": sum(meta is not None for meta in metas),
+                "dead_nodes": sorted(dead),
+                "repair": repair or {},
+                "client": self._blocks.stats(),
+                "swa": swa,
+                # How well concurrent QueryHits share cluster calls: requests per batch.
+                "coalescing": self._coalescing(),
+            },
+        )
+
+    def _coalescing(self) -> dict[str, dict[str, int]]:
+        """How well concurrent QueryHits share cluster calls: requests per batch (threaded
+        callers and the gateway's loop together)."""
+        parts: list[tuple[str, Coalescer[Any, Any] | AsyncCoalescer[Any, Any]]] = [
+            ("lookups", self._lookups),
+            ("locates", self._locates),
+        ]
+        if self._async is not None:
+            parts += [("lookups", self._async[0]), ("locates", self._async[1])]
+        out: dict[str, dict[str, int]] = {}
+        for name, coalescer in parts:
+            figures = out.setdefault(name, {"batches": 0, "requests": 0})
+            figures["batches"] += coalescer.batches
+            figures["requests"] += coalescer.items
+        return out
+
+    def _swa_stats(self) -> dict[str, Any]:
+        if self._swa is None:
+            return {}
+        try:
+            return self._swa.stats()
+        except StoreError:
+            log.info("SWA figures unavailable", exc_info=True)
+            return {}
+
+
+def put_answer(result: PutResult) -> PutAnswer:
+    """The block client's ``PutResult`` as the seam's ``PutAnswer``."""
+    return PutAnswer(
+        stored=len(result.stored),
+        existing=len(result.existing),
+        busy_keys=tuple(result.busy),
+        failed_keys=tuple(result.failed),
+    )

@@ -1,0 +1,194 @@
+"""A storage tier made of files in one directory: one machine, no Ray, no network.
+
+For a single-machine engine (or a test) that wants the engine-side path end to end: the fetcher
+process reads the same files the saver wrote. It is a ``kvstore.tier.protocols.Tier`` like the
+cluster, and plans hits with the same composition (``kvstore.tier.hit``). Every file carries a
+header with its length and an xxh3-64 checksum of its bytes, so a torn or corrupted file reads as
+a miss (``miss_reason`` says which), never as wrong bytes. Writes go to a temporary file first and
+are renamed into place, so a reader sees the whole file or none. No leases (nothing here is
+evicted behind a reader's back), no erasure coding.
+
+Layout: ``<root>/blocks/<key hex>.blk`` and ``<root>/swa/<key hex>-<position>.state``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import InvalidArgument
+from kvstore.geometry import GeometryConfig
+from kvstore.keys import BlockKey, check_key, check_keys, words_to_keys
+from kvstore.swa.directory import StoreRef
+from kvstore.swa.store import check_state
+from kvstore.tier.hit import HitQuery
+from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, StateRead, Stats
+
+_MAGIC = b"KVSTFIL1"
+_HEADER = struct.Struct("<8sQQ")  # magic, payload length, xxh3-64 of the payload
+#: What ``query_hit`` names as the SWA owner: the states are in this directory.
+LOCAL_OWNER = "local"
+_LOCAL_STORE = StoreRef(LOCAL_OWNER, LOCAL_OWNER)
+
+
+class DirectoryTier:
+    """Blocks and SWA states as checksummed files under ``root``, for the model of ``geometry``
+    (its fingerprint keys token ids; its ``state_size_to_disk`` is the exact size of a state).
+    Picklable (a path and a frozen config)."""
+
+    def __init__(self, root: str | os.PathLike[str], geometry: GeometryConfig | None = None):
+        self.root = Path(root)
+        self.geometry = geometry or GeometryConfig.default()
+        self.model_fingerprint = self.geometry.fingerprint()
+        self.state_size = self.geometry.state_size_to_disk
+        (self.root / "blocks").mkdir(parents=True, exist_ok=True)
+        (self.root / "swa").mkdir(parents=True, exist_ok=True)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (DirectoryTier, (str(self.root), self.geometry))
+
+    def factory(self) -> Callable[[], DirectoryTier]:
+        """A picklable zero-argument callable that opens this tier (for the fetcher process)."""
+        return functools.partial(DirectoryTier, str(self.root), self.geometry)
+
+    # --- paths -------------------------------------------------------------------------------
+
+    def block_path(self, key: bytes) -> Path:
+        return self.root / "blocks" / f"{check_key(key).hex()}.blk"
+
+    def state_path(self, key: bytes, position: int) -> Path:
+        return self.root / "swa" / f"{check_key(key).hex()}-{int(position)}.state"
+
+    # --- TierWriter --------------------------------------------------------------------------
+
+    def put_blocks(
+        self, keys: Sequence[bytes], payloads: Sequence[bytes], traffic_class: str = ""
+    ) -> PutAnswer:
+        if len(keys) != len(payloads):
+            raise InvalidArgument(
+                "payloads", f"{len(payloads)} payloads for {len(keys)} keys (one each)"
+            )
+        checked = check_keys(keys, "keys")
+        for key, payload in zip(checked, payloads, strict=True):
+            _write_file(self.block_path(key), bytes(payload))
+        return PutAnswer(stored=len(checked))
+
+    def put_swa_state(
+        self, key: bytes, position: int, state: bytes, machine: str | None = None
+    ) -> str:
+        check_key(key)
+        check_state(position, state, state_bytes=self.state_size)
+        _write_file(self.state_path(key, position), bytes(state))
+        return machine or LOCAL_OWNER
+
+    # --- TierReader --------------------------------------------------------------------------
+
+    def get_blocks(self, keys: Sequence[bytes], lease_id: str | None = None) -> list[BlockRead]:
+        reads = []
+        for key in check_keys(keys, "keys"):
+            payload, reason = _read_file(self.block_path(key))
+            reads.append(BlockRead(key=key, payload=payload, miss_reason=reason))
+        return reads
+
+    def get_swa_state(self, key: bytes, position: int) -> StateRead:
+        state, reason = _read_file(self.state_path(key, position))
+        if state is not None and len(state) != self.state_size:
+            reason = f"corrupt: state has {len(state)} B, expected {self.state_size}"
+            state = None
+        return StateRead(state=state, owner=LOCAL_OWNER if state else None, miss_reason=reason)
+
+    # --- HitSource ---------------------------------------------------------------------------
+
+    def query_hit(self, request: HitRequest) -> HitAnswer:
+        query = HitQuery(blocks=_FileBlocks(self), states=_FileStates(self), geometry=self.geometry)
+        return query.query_hit(request.keys_or_tokens, request.length, request.mode).answer(None)
+
+    def release_lease(self, lease_id: str) -> bool:
+        """Nothing to give back: this tier takes no leases (nothing evicts behind a reader)."""
+        return False
+
+    def stats(self) -> Stats:
+        blocks = list((self.root / "blocks").glob("*.blk"))
+        states = list((self.root / "swa").glob("*.state"))
+        return Stats(
+            block_bytes_stored=sum(path.stat().st_size - _HEADER.size for path in blocks),
+            swa_bytes_stored=sum(path.stat().st_size - _HEADER.size for path in states),
+            extra={"model_fingerprint": self.model_fingerprint.hex(), "root": str(self.root)},
+        )
+
+
+class _FileBlocks:
+    """``BlockLookup``: the leading run of blocks whose files exist (no leases here)."""
+
+    def __init__(self, tier: DirectoryTier) -> None:
+        self._tier = tier
+
+    def lookup(self, keys: np.ndarray) -> tuple[int, Any]:
+        run = 0
+        for key in words_to_keys(keys):
+            if not self._tier.block_path(key).is_file():
+                break
+            run += 1
+        return run, None
+
+    async def lookup_async(self, keys: np.ndarray) -> tuple[int, Any]:
+        return self.lookup(keys)  # local files: nothing to wait for
+
+    def release(self, lease: Any) -> None:
+        pass
+
+
+class _FileStates:
+    """``StateLocator``: a state file of that key exists (whatever its position's name)."""
+
+    def __init__(self, tier: DirectoryTier) -> None:
+        self._tier = tier
+
+    def locate(self, key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None:
+        found = next((self._tier.root / "swa").glob(f"{key.hex()}-*.state"), None)
+        return _LOCAL_STORE if found is not None else None
+
+    async def locate_async(
+        self, key: BlockKey, prefer_machine: str | None = None
+    ) -> StoreRef | None:
+        return self.locate(key, prefer_machine)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    header = _HEADER.pack(_MAGIC, len(data), xxhash.xxh3_64_intdigest(data))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(header)
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_file(path: Path) -> tuple[bytes | None, str | None]:
+    """(bytes, None) or (None, why it is a miss)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None, "absent"
+    except OSError as error:
+        return None, f"unreadable: {error.strerror}"
+    if len(raw) < _HEADER.size:
+        return None, "corrupt: truncated header"
+    magic, length, digest = _HEADER.unpack_from(raw)
+    data = raw[_HEADER.size :]
+    if magic != _MAGIC or length != len(data):
+        return None, "corrupt: bad header or length"
+    if xxhash.xxh3_64_intdigest(data) != digest:
+        return None, "corrupt: checksum mismatch"
+    return data, None

@@ -1,0 +1,302 @@
+"""The SPEC §5 plan over both tiers: the block run, the one SWA state it needs, the lease, advice.
+
+1. Block keys come from the caller or from the prompt's token ids (``kvstore.keys``). Only the
+   blocks inside the cap (L − 134) are asked about: a block beyond it can never be part of a hit,
+   so it is neither looked up nor leased.
+2. The block tier answers the leading run of consecutive committed+readable blocks and a lease
+   that keeps them from being evicted while the engine reads them.
+3. The SWA directory is asked about exactly one key: the block ending at L1 (the state covering
+   [L1 − 128, L1]). A directory that cannot answer in time is a miss.
+4. ``kvstore.hitplan.plan_hit`` turns that into the plan; when the state was found, the
+   fetch-or-replay advice is attached, plus the plan to follow if the fetch fails after all
+   (``miss_plan``: back off one block, or bounded replay), so a lost owner is never an error.
+
+Both tiers are reached through two small protocols (``BlockLookup``, ``StateLocator``), so every
+tier implementation — the cluster, files in a directory, the unit tests' stand-ins — composes
+them here, and ``HitResult.answer`` is the one translation into the seam's ``HitAnswer``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument, StoreError
+from kvstore.hitplan import MODES, STANDARD, HasHitGeometry, HitPlan, hit_cap, plan_hit
+from kvstore.keys import BlockKey, block_keys, key_words
+from kvstore.swa.advice import FETCH, Advice, FetchReplayAdvisor
+from kvstore.swa.directory import StoreRef
+from kvstore.tier.records import HitAnswer
+
+log = logging.getLogger(__name__)
+
+
+class BlockLookup(Protocol):
+    """The block tier as the hit query needs it, asked from a thread or from an asyncio loop."""
+
+    def lookup(self, keys: np.ndarray) -> tuple[int, Any]:
+        """(number of leading consecutive committed+readable blocks, lease on them or None).
+        ``keys`` come as (n, 4) uint64 words (``kvstore.keys.key_words``)."""
+        ...
+
+    async def lookup_async(self, keys: np.ndarray) -> tuple[int, Any]: ...
+
+    def release(self, lease: Any) -> None:
+        """Never blocks (a release needs no answer)."""
+        ...
+
+
+class StateLocator(Protocol):
+    """The SWA directory as the hit query needs it: who holds the state of ``key``, or None."""
+
+    def locate(self, key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None: ...
+
+    async def locate_async(
+        self, key: BlockKey, prefer_machine: str | None = None
+    ) -> StoreRef | None: ...
+
+
+#: What the plan asks of the tiers between its steps: ("blocks", keys) or ("state", key).
+_Need = tuple[str, Any]
+
+
+class HitGeometry(HasHitGeometry, Protocol):
+    """What the hit query needs of ``kvstore.geometry.GeometryConfig``: the hit rule's three
+    numbers plus the model fingerprint its block keys are made with."""
+
+    def fingerprint(self) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class HitResult:
+    """The answer of ``query_hit``. The caller owns ``lease`` and releases it through the block
+    tier when it has read the blocks (or gives up)."""
+
+    plan: HitPlan
+    #: The keys looked up (the blocks within the cap), as (n, 4) uint64 words.
+    keys: np.ndarray
+    #: Key of the SWA state looked for (the block ending at L1); None when L1 = 0.
+    swa_key: BlockKey | None
+    swa_owner: StoreRef | None
+    #: Fetch-or-replay estimates; present when the state was found and an advisor is known.
+    advice: Advice | None
+    #: The plan to follow if the state cannot be fetched after all (present when found).
+    miss_plan: HitPlan | None
+    #: Blocks leased (the leading run within the cap) and the lease itself.
+    leased_blocks: int
+    lease: Any
+
+    @property
+    def hit_words(self) -> np.ndarray:
+        """Keys of the blocks the engine loads (``plan.hit_tokens`` worth), as words."""
+        return self.keys[: self.plan.hit_tokens // self.plan.block_tokens]
+
+    def answer(self, lease_id: str | None) -> HitAnswer:
+        """This result as the tier seam's ``HitAnswer`` (the one place that translates)."""
+        advice, owner = self.advice, self.swa_owner
+        return HitAnswer(
+            plan=self.plan,
+            swa_owner=None if owner is None else owner.machine_id,
+            advice=advice.choice if advice is not None else (None if owner is None else FETCH),
+            fetch_seconds=advice.fetch_s if advice is not None else 0.0,
+            replay_seconds=advice.replay_s if advice is not None else 0.0,
+            lease_id=lease_id,
+            hit_keys=self.hit_words,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.to_dict(),
+            "swa_key": None if self.swa_key is None else self.swa_key.hex(),
+            "swa_owner": None
+            if self.swa_owner is None
+            else {"machine_id": self.swa_owner.machine_id, "store": self.swa_owner.store_name},
+            "advice": None if self.advice is None else self.advice.to_dict(),
+            "miss_plan": None if self.miss_plan is None else self.miss_plan.to_dict(),
+            "leased_blocks": self.leased_blocks,
+        }
+
+
+class HitQuery:
+    """Plans prefix hits over ``blocks`` and ``states`` (``local_machine``: where the engine
+    runs, if known; its own store is preferred and fetches from it count as local).
+    ``advisor`` estimates fetch against replay; without one a found state is simply fetched."""
+
+    def __init__(
+        self,
+        *,
+        blocks: BlockLookup,
+        states: StateLocator,
+        geometry: HitGeometry,
+        advisor: FetchReplayAdvisor | None = None,
+        local_machine: str | None = None,
+    ) -> None:
+        self._blocks = blocks
+        self._states = states
+        self._advisor = advisor
+        self._geometry = geometry
+        self._fingerprint = geometry.fingerprint()
+        self.local_machine = local_machine
+
+    def query_hit(
+        self,
+        keys_or_tokens: Sequence[bytes] | Sequence[int] | np.ndarray,
+        prompt_len: int,
+        mode: str = STANDARD,
+    ) -> HitResult:
+        """The SPEC §5 plan for a prompt of ``prompt_len`` tokens given its block keys (one per
+        full block, from the start: 32-byte keys or their (n, 4) words) or its token ids
+        (exactly ``prompt_len`` of them)."""
+        steps = self._steps(keys_or_tokens, prompt_len, mode)
+        need = _advance(steps, None, None)
+        while not isinstance(need, HitResult):
+            reply: Any = None
+            error: BaseException | None = None
+            try:
+                if need[0] == "blocks":
+                    reply = self._ask_blocks(need[1])
+                else:
+                    reply = self._states.locate(need[1], self.local_machine)
+            except BaseException as raised:
+                error = raised
+            need = _advance(steps, reply, error)
+        return need
+
+    async def query_hit_async(
+        self,
+        keys_or_tokens: Sequence[bytes] | Sequence[int] | np.ndarray,
+        prompt_len: int,
+        mode: str = STANDARD,
+    ) -> HitResult:
+        """``query_hit`` for a caller on an asyncio loop (the gateway): the same plan, the
+        tiers asked without parking a thread."""
+        steps = self._steps(keys_or_tokens, prompt_len, mode)
+        need = _advance(steps, None, None)
+        while not isinstance(need, HitResult):
+            reply: Any = None
+            error: BaseException | None = None
+            try:
+                if need[0] == "blocks":
+                    reply = await self._ask_blocks_async(self._blocks.lookup_async(need[1]))
+                else:
+                    reply = await self._states.locate_async(need[1], self.local_machine)
+            except BaseException as raised:
+                error = raised
+            need = _advance(steps, reply, error)
+        return need
+
+    def _steps(
+        self,
+        keys_or_tokens: Sequence[bytes] | Sequence[int] | np.ndarray,
+        prompt_len: int,
+        mode: str,
+    ) -> Generator[_Need, Any, HitResult]:
+        """The plan, one step at a time: it yields what it needs of the tiers and is sent the
+        answer, so the same rule runs from a thread and from an asyncio loop."""
+        # Validate everything before taking a lease: a bad request acquires nothing.
+        if mode not in MODES:
+            raise InvalidArgument("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
+        cap = hit_cap(prompt_len, geometry=self._geometry)
+        within_cap = cap // self._geometry.block_tokens
+        keys = self._keys(keys_or_tokens, prompt_len, within_cap)
+        run, lease = 0, None
+        if keys.shape[0]:
+            run, lease = yield ("blocks", keys)
+            if isinstance(run, bool) or not isinstance(run, int) or not 0 <= run <= len(keys):
+                if lease is not None:
+                    self._blocks.release(lease)
+                raise StoreError(f"block lookup answered {run!r} blocks for {len(keys)} keys")
+        try:
+            block = self._geometry.block_tokens
+            l1_plan = plan_hit(prompt_len, run * block, None, mode=mode, geometry=self._geometry)
+            position = l1_plan.swa_position
+            if position is None:
+                return HitResult(l1_plan, keys, None, None, None, None, run, lease)
+            swa_key = BlockKey(keys[position // block - 1].tobytes())
+            owner = yield ("state", swa_key)
+            if owner is None:
+                return HitResult(l1_plan, keys, swa_key, None, None, None, run, lease)
+            found = {position: owner.machine_id}
+            plan = plan_hit(prompt_len, run * block, found, mode=mode, geometry=self._geometry)
+            advice = None
+            if self._advisor is not None:
+                advice = self._advisor.advise(owner.machine_id, self.local_machine)
+            return HitResult(plan, keys, swa_key, owner, advice, l1_plan, run, lease)
+        except BaseException:
+            if lease is not None:
+                self._blocks.release(lease)
+            raise
+
+    def _ask_blocks(self, keys: np.ndarray) -> tuple[int, Any]:
+        try:
+            return self._blocks.lookup(keys)
+        except StoreError as error:
+            # The block tier could not answer: nothing is reused, nothing is leased.
+            log.warning("block lookup failed, planning a miss: %s", error)
+            return 0, None
+
+    @staticmethod
+    async def _ask_blocks_async(asked: Awaitable[tuple[int, Any]]) -> tuple[int, Any]:
+        try:
+            return await asked
+        except StoreError as error:
+            log.warning("block lookup failed, planning a miss: %s", error)
+            return 0, None
+
+    def _keys(
+        self,
+        keys_or_tokens: Sequence[bytes] | Sequence[int] | np.ndarray,
+        prompt_len: int,
+        within_cap: int,
+    ) -> np.ndarray:
+        """The keys to look up, as (n, 4) uint64 words (``kvstore.keys.key_words``)."""
+        block = self._geometry.block_tokens
+        if _looks_like_tokens(keys_or_tokens):
+            tokens = np.asarray(keys_or_tokens)
+            if tokens.ndim != 1 or tokens.size != prompt_len:
+                raise InvalidArgument(
+                    "token_ids", f"must hold exactly prompt_len={prompt_len} ids, got {tokens.size}"
+                )
+            # Blocks past the cap can never hit: do not hash them.
+            return key_words(block_keys(self._fingerprint, tokens[: within_cap * block]))
+        keys = key_words(keys_or_tokens, "block_keys")
+        full_blocks = prompt_len // block
+        if keys.shape[0] > full_blocks:
+            raise InvalidArgument(
+                "block_keys",
+                f"{keys.shape[0]} keys for a prompt of {prompt_len} tokens "
+                f"({full_blocks} full blocks)",
+            )
+        return keys[:within_cap]
+
+
+def _advance(
+    steps: Generator[_Need, Any, HitResult], reply: Any, error: BaseException | None
+) -> _Need | HitResult:
+    """Give the plan the tier's reply (or throw in the tier's failure, so the plan gives back
+    its lease); returns what it needs next, or its result."""
+    try:
+        return steps.send(reply) if error is None else steps.throw(error)
+    except StopIteration as done:
+        return done.value
+
+
+def _looks_like_tokens(value: object) -> bool:
+    if isinstance(value, np.ndarray):  # token ids are 1-D; keys as words are (n, 4) / (n, 32)
+        return value.ndim == 1 and bool(np.issubdtype(value.dtype, np.integer))
+    if isinstance(value, str | bytes | bytearray):
+        raise InvalidArgument(
+            "keys_or_tokens", f"must be block keys or token ids, got {type(value).__name__}"
+        )
+    if not isinstance(value, Sequence):
+        raise InvalidArgument(
+            "keys_or_tokens", f"must be a sequence or an array, got {type(value).__name__}"
+        )
+    if len(value) == 0:
+        return False
+    first = value[0]
+    return isinstance(first, int | np.integer) and not isinstance(first, bool)

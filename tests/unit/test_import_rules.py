@@ -1,0 +1,110 @@
+"""The Ray boundary, checked: product code outside ``kvstore/runtime/`` imports no ``ray``.
+
+Logic packages (``tier``, ``blockstore``, ``swa``, ``gc``, ``api``, ``gpu``, ``ec``, ``ledger``,
+``verify``, ...) reach the cluster only through injected seams (a ``Fanout``, an ``SWATransport``,
+a ``TierControl``), so they run — and are unit-tested — without Ray. Only the wiring may reach Ray
+or ``kvstore.runtime``: ``runtime`` itself, the CLI and its sub-commands (they start services),
+the demo's runner (it starts a cluster), and ``chaos`` — failure injection kills actors and
+machines, which only the runtime can name (the one stated exemption).
+
+Every import counts, including those inside functions: a lazy ``import ray`` is still a
+dependency on Ray.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "kvstore"
+
+#: Modules (and packages, by prefix) allowed to import ``ray`` or ``kvstore.runtime``.
+WIRING = (
+    "kvstore.runtime",
+    "kvstore.cli",
+    "kvstore.commands",
+    "kvstore.demo.runner",
+    "kvstore.chaos",  # failure injection: kills actors and machines by their Ray handles
+)
+FORBIDDEN = ("ray", "kvstore.runtime")
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(source: str) -> set[str]:
+    """Every module an (absolute) import statement in ``source`` names, at any depth."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def violations(modules: dict[str, str]) -> list[str]:
+    """``module imports name`` for every logic module importing Ray, the runtime or wiring."""
+    found = []
+    for module, source in sorted(modules.items()):
+        if _within(module, WIRING) or module.startswith("kvstore.api.v1"):
+            continue
+        for name in sorted(imports_of(source)):
+            if _within(name, FORBIDDEN) or (_within(name, WIRING) and name.startswith("kvstore")):
+                found.append(f"{module} imports {name}")
+    return found
+
+
+def package_sources() -> dict[str, str]:
+    return {module_name(path): path.read_text() for path in PACKAGE.rglob("*.py")}
+
+
+def test_no_logic_module_imports_ray_or_the_runtime() -> None:
+    sources = package_sources()
+    assert len(sources) > 100  # the walk really found the package
+    assert violations(sources) == []
+
+
+def test_the_rule_catches_an_import_of_ray_anywhere_in_a_logic_module() -> None:
+    sources = package_sources()
+    lazy = "def f():\n    import ray\n    return ray\n"
+    for module, extra in [
+        ("kvstore.tier.cluster", "import ray\n"),
+        ("kvstore.swa.client", lazy),
+        ("kvstore.api.servicer", "from ray.util import ActorPool\n"),
+        ("kvstore.blockstore.client", "from kvstore.runtime.deploy import BlockStoreHandles\n"),
+        ("kvstore.gpu.fetcher", "from kvstore.chaos.tier import ChaosTier\n"),
+    ]:
+        broken = {**sources, module: sources[module] + extra}
+        assert violations(broken) == [
+            f"{module} imports {name}"
+            for name in sorted(imports_of(extra))
+            if name.startswith(("ray", "kvstore"))
+        ], module
+    # Wiring may: the runtime and the commands import Ray and the runtime freely.
+    assert violations({"kvstore.runtime.x": "import ray\n", "kvstore.commands.y": lazy}) == []
+
+
+def test_importing_the_logic_packages_loads_no_ray() -> None:
+    """The same rule, as the interpreter sees it (third-party imports included)."""
+    logic = sorted(
+        module
+        for module in package_sources()
+        if not _within(module, WIRING)
+        and not module.startswith("kvstore.api.v1")
+    )
+    code = "import sys\n" + "".join(f"import {m}\n" for m in logic)
+    code += "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stderr[-2000:]

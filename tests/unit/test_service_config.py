@@ -1,0 +1,77 @@
+"""The config root: ``ServiceConfig`` embeds each part's own config, the one environment loader
+fills them, the shared values (traffic classes, lease length) come from the GC policy only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.blockstore.config import BlockStoreConfig
+from kvstore.config import ServiceConfig, from_env
+from kvstore.errors import ConfigError
+from kvstore.gc.config import DEFAULT_CLASSES, DEFAULT_LEASE_S, GCConfig
+from kvstore.geometry import GeometryConfig
+from kvstore.gpu.connector import ConnectorConfig
+
+
+def test_defaults_are_stated_once_and_agree() -> None:
+    assert BlockStoreConfig().traffic_classes == GCConfig().class_names == DEFAULT_CLASSES
+    assert BlockStoreConfig().lease_seconds == GCConfig().lease_default_s == DEFAULT_LEASE_S
+    config = ServiceConfig.from_env({}, data_root="/tmp/kv")
+    assert config.blockstore.traffic_classes == config.gc.class_names
+    assert config.data_root == Path("/tmp/kv") and config.blockstore.deployment == "kvstore"
+
+
+def test_the_environment_fills_every_part_and_given_values_win(tmp_path: Path) -> None:
+    policy = tmp_path / "gc.toml"
+    policy.write_text(
+        "[gc]\nlease_default_s = 12\n[gc.ttl]\ndefault = '1d'\nagent = '3d'\nbatch = '2h'\n"
+    )
+    env = {
+        "KVSTORE_BLOCKSTORE_CALL_TIMEOUT_S": "4.5",
+        "KVSTORE_BLOCKSTORE_STORAGE_NODES": "14",
+        "KVSTORE_BLOCKSTORE_NODE_FSYNC": "always",
+        "KVSTORE_BLOCKSTORE_LOCAL_READS": "no",
+        "KVSTORE_SWA_TTL_S": "120",
+        "KVSTORE_SWA_NUM_ENTRYPOINTS": "auto",
+        "KVSTORE_PRESET": "V4-Pro",
+        "KVSTORE_GC_FILE": str(policy),
+    }
+    config = ServiceConfig.from_env(env, data_root=tmp_path, storage_nodes=16, deployment=None)
+    block = config.blockstore
+    assert block.call_timeout_s == 4.5 and block.node.fsync == "always"
+    assert block.local_reads is False
+    assert block.storage_nodes == 16  # given: wins over the environment's 14
+    assert block.deployment == "kvstore"  # None means "not given"
+    assert config.swa.ttl_s == 120 and config.swa.num_entrypoints is None
+    assert config.geometry.preset == "v4-pro"
+    # The GC policy is the one source of the classes and the lease length.
+    assert block.traffic_classes == ("default", "agent", "batch")
+    assert block.lease_seconds == 12 and config.gc.lease_default_s == 12
+    fast = ServiceConfig.from_env(env, data_root=tmp_path, fsync="never", preset="v4-flash")
+    assert fast.blockstore.node.fsync == "never" and fast.geometry.preset == "v4-flash"
+
+
+def test_bad_values_are_named() -> None:
+    with pytest.raises(ConfigError) as bad:
+        ServiceConfig.from_env({"KVSTORE_BLOCKSTORE_CALL_TIMEOUT_S": "soon"}, data_root="/x")
+    assert bad.value.field == "KVSTORE_BLOCKSTORE_CALL_TIMEOUT_S"
+    assert "call_timeout_s" in str(bad.value)
+    with pytest.raises(ConfigError) as literal:
+        ServiceConfig.from_env({"KVSTORE_BLOCKSTORE_NODE_FSYNC": "sometimes"}, data_root="/x")
+    assert literal.value.field == "KVSTORE_BLOCKSTORE_NODE_FSYNC"
+    with pytest.raises(ConfigError) as unknown:
+        ServiceConfig.from_env({}, data_root="/x", colour="blue")
+    assert unknown.value.field == "colour"
+    with pytest.raises(ConfigError, match="storage_nodes"):
+        ServiceConfig.from_env({}, data_root="/x", storage_nodes=5)
+
+
+def test_every_config_reads_the_environment_through_the_one_loader() -> None:
+    assert from_env(GeometryConfig, "KVSTORE_", {"KVSTORE_NUM_STATE_SEQS": "3"}).num_state_seqs == 3
+    gpu = ConnectorConfig.from_env({"KVSTORE_GPU_STAGING_BYTES": "2097152", "KVSTORE_GPU_MODE": ""})
+    assert gpu.staging_bytes == 2 << 20 and gpu.mode == "standard"  # empty = unset
+    with pytest.raises(ConfigError) as bad:
+        ConnectorConfig.from_env({"KVSTORE_GPU_LAYER_TIMEOUT_S": "long"})
+    assert bad.value.field == "KVSTORE_GPU_LAYER_TIMEOUT_S"

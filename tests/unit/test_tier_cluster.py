@@ -1,0 +1,285 @@
+"""``ClusterTier``, the one facade over the cluster, with every part in this process (no Ray):
+plans, leases (bounded, swept, released), reads, puts, SWA states, figures — and the two bugs the
+facade's copies had (degraded reads credited to the wrong request; hit keys that drifted)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from tier_parts import GEOMETRY, InProcessTier
+
+from kvstore.blockstore.fanout import NODE
+from kvstore.errors import InvalidArgument, LeaseError, StateRejected
+from kvstore.keys import block_keys
+from kvstore.tier.files import DirectoryTier
+from kvstore.tier.records import HitRequest
+
+BLOCK = GEOMETRY.block_tokens
+STATE = GEOMETRY.state_size_to_disk
+
+
+def prompt(blocks: int, extra: int = 200, seed: int = 0) -> tuple[np.ndarray, list[bytes]]:
+    tokens = np.random.default_rng(seed).integers(0, 100_000, blocks * BLOCK + extra)
+    return tokens, list(block_keys(GEOMETRY.fingerprint(), tokens))[:blocks]
+
+
+def payload(key: bytes, size: int = 3000) -> bytes:
+    return np.random.default_rng(int.from_bytes(key[:8], "little")).bytes(size)
+
+
+def outstanding_leases(parts: InProcessTier) -> int:
+    stats = [meta.stats() for meta in parts.blocks.metas.values()]
+    return sum(int(s["leases"]) - int(s["releases"]) for s in stats)  # type: ignore[call-overload]
+
+
+@pytest.fixture()
+def parts(tmp_path) -> InProcessTier:  # type: ignore[no-untyped-def]
+    return InProcessTier(tmp_path, release_batch_s=0)
+
+
+def test_a_hit_is_planned_leased_read_and_released(parts: InProcessTier) -> None:
+    tier = parts.tier
+    tokens, keys = prompt(8)  # L = 1224: cap 1090 → 8 whole blocks inside it
+    put = tier.put_blocks(keys, [payload(k) for k in keys], "chatbot")
+    assert (put.stored, put.existing, put.committed, put.failed_keys) == (8, 0, 8, ())
+    again = tier.put_blocks(keys[:2], [payload(k) for k in keys[:2]], "chatbot")
+    assert (again.stored, again.existing) == (0, 2)
+    assert tier.put_swa_state(keys[7], 8 * BLOCK, bytes(STATE), machine="m1") == "m1"
+
+    answer = tier.query_hit(HitRequest(token_ids=tokens, traffic_class="chatbot"))
+    plan = answer.plan
+    assert (plan.block_hit_tokens, plan.hit_tokens, plan.swa_hit) == (1024, 1024, True)
+    assert answer.swa_owner == "m1" and answer.advice in ("fetch", "replay")
+    assert list(answer.hit_block_keys) == keys and answer.lease_id
+    assert outstanding_leases(parts) == 8
+    reads = tier.get_blocks(list(answer.hit_block_keys), answer.lease_id)
+    assert [r.payload for r in reads] == [payload(k) for k in keys]
+    assert not any(r.degraded for r in reads)
+    assert outstanding_leases(parts) == 0  # a read with the lease gives it back
+    with pytest.raises(LeaseError, match="unknown or has expired"):
+        tier.get_blocks(keys[:1], answer.lease_id)
+    state = tier.get_swa_state(keys[7], 8 * BLOCK)
+    assert state.owner == "m1" and state.state == bytes(STATE)
+
+    by_keys = tier.query_hit(HitRequest(block_keys=keys, prompt_len=len(tokens), take_lease=False))
+    assert by_keys.plan == plan and by_keys.lease_id is None
+    assert outstanding_leases(parts) == 0  # not kept: given back at once
+    figures = tier.stats()
+    assert figures.classes["chatbot"]["lookups"] == 1 and figures.classes["default"]["lookups"] == 1
+    assert figures.block_bytes_stored == 8 * 3000 and figures.swa_bytes_stored == STATE
+    assert figures.extra["open_leases"] == 0 and figures.storage_nodes == 12
+
+
+def test_release_gives_a_lease_back_once(parts: InProcessTier) -> None:
+    tier = parts.tier
+    tokens, keys = prompt(4)
+    tier.put_blocks(keys, [payload(k) for k in keys])
+    answer = tier.query_hit(HitRequest(token_ids=tokens))
+    assert answer.lease_id and outstanding_leases(parts) == 4
+    assert tier.release_lease(answer.lease_id) is True
+    assert tier.release_lease(answer.lease_id) is False
+    assert outstanding_leases(parts) == 0
+
+
+def test_the_lease_table_is_bounded_and_swept_on_expiry(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    parts = InProcessTier(tmp_path, release_batch_s=0, max_open_leases=2, lease_seconds=30.0)
+    tier = parts.tier
+    tokens, keys = prompt(2)
+    tier.put_blocks(keys, [payload(k) for k in keys])
+    first, second, third = (tier.query_hit(HitRequest(token_ids=tokens)) for _ in range(3))
+    # A third lease pushed the oldest out of the table, and it was given back in the cluster.
+    assert tier.stats().extra["open_leases"] == 2 and outstanding_leases(parts) == 4
+    assert tier.release_lease(first.lease_id or "") is False
+    parts.clock.advance(31)  # past the lease end: the sweep drops and releases both
+    assert tier.sweep_leases() == 2
+    assert tier.stats().extra["open_leases"] == 0 and outstanding_leases(parts) == 0
+    assert tier.release_lease(second.lease_id or "") is False
+    assert tier.release_lease(third.lease_id or "") is False
+
+
+def test_hit_keys_are_the_blocks_the_engine_loads_in_every_implementation(
+    parts: InProcessTier, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """In standard mode with the SWA state missing the hit backs off one block: the engine loads
+    ``hit_tokens`` worth of blocks and recomputes the last one, so the answer names exactly those
+    (the gateway once answered the whole run, the engine-side tiers only the hit)."""
+    tokens, keys = prompt(6)  # cap 834 → L1 = 768; no state: hit 640
+    files = DirectoryTier(tmp_path / "files", GEOMETRY)
+    for tier in (parts.tier, files):
+        tier.put_blocks(keys, [payload(k) for k in keys])
+        standard = tier.query_hit(HitRequest(token_ids=tokens, take_lease=False))
+        assert (standard.plan.block_hit_tokens, standard.plan.hit_tokens) == (768, 640)
+        assert list(standard.hit_block_keys) == keys[:5]
+        assert standard.hit_keys_packed == b"".join(keys[:5])
+        bounded = tier.query_hit(
+            HitRequest(token_ids=tokens, mode="bounded-replay", take_lease=False)
+        )
+        assert bounded.plan.hit_tokens == 768 and list(bounded.hit_block_keys) == keys[:6]
+
+
+def _by_role_of(parts: InProcessTier, keys: list[bytes], node: int) -> tuple[bytes, bytes]:
+    """A key whose data shards avoid ``node`` (it holds parity) and one with a data shard there."""
+    lookup = parts.blocks.client.lookup(keys)
+    parts.blocks.client.release(lookup.lease)
+    assert lookup.lease is not None
+    parity = data = None
+    for key, placement in zip(lookup.lease.keys, lookup.lease.placements.tolist(), strict=True):
+        if node in placement[10:] and parity is None:
+            parity = key
+        if node in placement[:10] and data is None:
+            data = key
+    assert parity is not None and data is not None
+    return parity, data
+
+
+def test_a_reads_degraded_flag_is_its_own_under_concurrency(parts: InProcessTier) -> None:
+    """Two reads at once, one degraded (a data shard's node is down) and one not: each request
+    reports its own. The gateway's copy once diffed a counter all threads share, so the degraded
+    read of one request was credited to whichever request was in flight."""
+    tier = parts.tier
+    _, keys = prompt(40, seed=3)
+    tier.put_blocks(keys, [payload(k) for k in keys])
+    healthy, degraded = _by_role_of(parts, keys, node=5)
+    parts.blocks.fanout.dead.add((NODE, 5))
+    fanout = parts.blocks.fanout
+    inner: dict[str, object] = {}
+    original = fanout.submit
+
+    def submit(target, method, *args):  # type: ignore[no-untyped-def]
+        # While the healthy read asks its first node, the degraded one runs to completion.
+        if not inner and target[0] == NODE:
+            inner["started"] = True
+            inner["reads"] = tier.get_blocks([degraded])
+        return original(target, method, *args)
+
+    fanout.submit = submit  # type: ignore[method-assign]
+    try:
+        (outer,) = tier.get_blocks([healthy])
+    finally:
+        fanout.submit = original  # type: ignore[method-assign]
+    (nested,) = inner["reads"]  # type: ignore[misc]
+    assert outer.payload == payload(healthy) and nested.payload == payload(degraded)
+    assert nested.degraded is True
+    assert outer.degraded is False
+    assert tier.stats().degraded_reads == 1
+
+
+def test_concurrent_hits_share_one_lookup_round(parts: InProcessTier) -> None:
+    tier = parts.tier
+    tokens, keys = prompt(4)
+    tier.put_blocks(keys, [payload(k) for k in keys])
+    barrier = threading.Barrier(8)
+    answers = []
+
+    def ask() -> None:
+        barrier.wait()
+        answers.append(tier.query_hit(HitRequest(token_ids=tokens, take_lease=False)))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(answers) == 8 and all(a.plan.block_hit_tokens == 512 for a in answers)
+    coalescing = tier.stats().extra["coalescing"]["lookups"]
+    assert coalescing["requests"] == 8 and coalescing["batches"] <= 8
+
+
+def test_bad_input_is_named_and_acquires_nothing(parts: InProcessTier) -> None:
+    tier = parts.tier
+    tokens, keys = prompt(4)
+    tier.put_blocks(keys, [payload(k) for k in keys])
+    with pytest.raises(InvalidArgument, match="traffic_class"):
+        tier.query_hit(HitRequest(token_ids=tokens, traffic_class="nope"))
+    with pytest.raises(InvalidArgument, match="mode"):
+        tier.query_hit(HitRequest(token_ids=tokens, mode="sideways"))
+    with pytest.raises(InvalidArgument, match="prompt_len"):
+        tier.query_hit(HitRequest(token_ids=tokens, prompt_len=5))
+    with pytest.raises(InvalidArgument, match="block_keys"):
+        tier.query_hit(HitRequest(block_keys=keys, prompt_len=100))  # 4 keys cannot fit 100 tokens
+    with pytest.raises(InvalidArgument, match="give token_ids or block_keys"):
+        HitRequest()
+    assert outstanding_leases(parts) == 0
+    with pytest.raises(InvalidArgument, match="machine"):
+        tier.put_swa_state(keys[0], BLOCK, bytes(STATE), machine="m9")
+    with pytest.raises(InvalidArgument, match="position"):
+        tier.put_swa_state(keys[0], 100, bytes(STATE))
+    with pytest.raises(StateRejected, match="state"):
+        tier.put_swa_state(keys[0], BLOCK, bytes(10))
+    with pytest.raises(InvalidArgument, match="position"):
+        tier.get_swa_state(keys[0], -128)
+
+
+def test_an_unreachable_swa_tier_is_a_miss_not_an_error(parts: InProcessTier) -> None:
+    tier = parts.tier
+    tokens, keys = prompt(4)
+    tier.put_blocks(keys, [payload(k) for k in keys])
+    tier.put_swa_state(keys[3], 4 * BLOCK, bytes(STATE))  # on the local machine, m0
+    parts.transport.down.update(parts.transport.shards)  # every directory shard gone
+    answer = tier.query_hit(HitRequest(token_ids=tokens, take_lease=False))
+    assert (answer.plan.hit_tokens, answer.plan.swa_hit, answer.swa_owner) == (384, False, None)
+    assert tier.get_swa_state(keys[3], 4 * BLOCK).state is None
+
+
+def test_a_reader_for_another_process_reads_with_a_lease_id_it_does_not_hold(
+    parts: InProcessTier,
+) -> None:
+    """An engine's fetcher process reads with the lease its scheduler-side tier took (and will
+    release): it must read, not refuse; the gateway refuses an unknown lease."""
+    from kvstore.tier.cluster import ClusterTier
+
+    tier = parts.tier
+    tokens, keys = prompt(3)
+    tier.put_blocks(keys, [payload(k) for k in keys])
+    answer = tier.query_hit(HitRequest(token_ids=tokens))
+    fetcher = ClusterTier(
+        blocks=parts.blocks.client,
+        swa=None,
+        geometry=GEOMETRY,
+        state_size=STATE,
+        clock=parts.clock,
+        foreign_leases=True,
+    )
+    reads = fetcher.get_blocks(list(answer.hit_block_keys), answer.lease_id)
+    assert [r.payload for r in reads] == [payload(k) for k in keys[:2]]
+    assert outstanding_leases(parts) == 3  # still the scheduler side's to release
+    assert tier.release_lease(answer.lease_id or "") and outstanding_leases(parts) == 0
+    with pytest.raises(LeaseError):
+        tier.get_blocks(keys, "lease-of-someone-else")
+
+
+def test_the_asyncio_path_plans_the_same_and_coalesces_concurrent_hits(
+    parts: InProcessTier,
+) -> None:
+    """The gateway's ``query_hit_async``: the answers of ``query_hit``, and concurrent hits on
+    the loop share their lookup rounds."""
+    import asyncio
+
+    tier = parts.tier
+    tokens, keys = prompt(6)
+    tier.put_blocks(keys, [payload(k) for k in keys])
+    tier.put_swa_state(keys[5], 6 * BLOCK, bytes(STATE), machine="m2")
+    expected = tier.query_hit(HitRequest(token_ids=tokens, take_lease=False))
+
+    async def main() -> list:  # type: ignore[type-arg]
+        return list(
+            await asyncio.gather(
+                *(
+                    tier.query_hit_async(HitRequest(token_ids=tokens, take_lease=i % 2 == 0))
+                    for i in range(8)
+                )
+            )
+        )
+
+    answers = asyncio.run(main())
+    assert all(a.plan == expected.plan and a.swa_owner == "m2" for a in answers)
+    assert all(list(a.hit_block_keys) == keys for a in answers)
+    assert sum(a.lease_id is not None for a in answers) == 4 and outstanding_leases(parts) == 24
+    for answer in answers:
+        if answer.lease_id:
+            assert tier.release_lease(answer.lease_id)
+    assert outstanding_leases(parts) == 0
+    coalescing = tier.stats().extra["coalescing"]["lookups"]
+    assert coalescing["requests"] == 9 and coalescing["batches"] < 9
