@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.peers import redis_server  # noqa: E402
+from benchmarks.peers import kvstore_up, redis_server  # noqa: E402
 from kvstore.api.client import KVStoreClient  # noqa: E402
 from kvstore.keys import BLOCK_TOKENS, block_keys  # noqa: E402
 from kvstore.tier.records import HitRequest  # noqa: E402
@@ -55,48 +53,6 @@ CONCURRENCY = (1, 16, 64)
 QPS_RATIO_TARGET = 0.7
 #: kvstore p50 at concurrency 1 minus the floor's, at most (ms).
 P50_OVER_FLOOR_TARGET_MS = 0.8
-
-
-@contextmanager
-def kvstore_up(data_dir: Path) -> Any:
-    """`kvstore up` in its own process (the server must not share this process's GIL with
-    the load generator); yields its address, stops it with SIGINT."""
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvstore.cli",
-            "up",
-            "--port",
-            "0",
-            "--data-dir",
-            str(data_dir),
-            "--no-gc",
-            "--fsync",
-            "never",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    try:
-        assert process.stdout is not None
-        address = None
-        for line in process.stdout:
-            if "serving kvstore.v1.KVStore on " in line:
-                address = line.split(" on ", 1)[1].split()[0]
-                break
-        if address is None:
-            raise RuntimeError("kvstore up exited before serving")
-        yield address
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def serve_floor(port_file: str) -> None:
@@ -199,12 +155,14 @@ def measure(server: str, seconds: float, populate: bool) -> dict[str, Any]:
     tokens = rng.integers(0, 128_000, KEYS_PER_REQUEST * BLOCK_TOKENS + 200, dtype=np.uint32)
     results: dict[str, Any] = {"keys_per_request": KEYS_PER_REQUEST, "rows": []}
     with KVStoreClient(server, timeout_s=60.0) as probe:
-        fingerprint = bytes.fromhex(probe.stats().extra.get("model_fingerprint", ""))
+        served = probe.stats().extra
+        fingerprint = bytes.fromhex(served.get("model_fingerprint", ""))
+        block_bytes = int(served.get("block_bytes", 0))
     keys = block_keys(fingerprint, tokens)
     if populate:
         # Cache the first 600 blocks so the plan walks a real hit (and leases 600 blocks).
         with KVStoreClient(server, timeout_s=120.0) as writer:
-            payload = bytes(4096)
+            payload = bytes(block_bytes)  # exactly one block: the gateway refuses any other
             for start in range(0, 600, 100):
                 writer.put_blocks(keys[start : start + 100], [payload] * 100, "chatbot")
 

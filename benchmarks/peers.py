@@ -1,14 +1,19 @@
-"""Peers the benchmarks measure in the same run: a throw-away Redis on loopback."""
+"""Servers the benchmarks start: a throw-away Redis on loopback (the peer measured in the same
+run), and `kvstore up` in its own process."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 
@@ -61,3 +66,46 @@ def redis_server() -> Iterator[tuple[int, Any] | None]:
         finally:
             process.terminate()
             process.wait(timeout=10)
+
+
+@contextmanager
+def kvstore_up(data_dir: Path, *flags: str) -> Any:
+    """`kvstore up` in its own process (the server must not share this process's GIL with
+    the load generator), with ``flags`` added; yields its address, stops it with SIGINT."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            "up",
+            "--port",
+            "0",
+            "--data-dir",
+            str(data_dir),
+            "--no-gc",
+            "--fsync",
+            "never",
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None
+        address = None
+        for line in process.stdout:
+            if "serving kvstore.v1.KVStore on " in line:
+                address = line.split(" on ", 1)[1].split()[0]
+                break
+        if address is None:
+            raise RuntimeError("kvstore up exited before serving")
+        yield address
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()

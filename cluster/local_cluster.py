@@ -3,8 +3,10 @@
 
 Each simulated machine is its own Ray node (raylet, object store, workers) carrying a custom
 resource named after its machine id (``kvstore_machine_m0`` ...), so storage nodes can be pinned
-one per machine. Everything listens on 127.0.0.1 only. Other processes join with the printed
-address, e.g.:
+one per machine. Everything listens on 127.0.0.1 only, with Ray's token authentication on (the
+token: ``RAY_AUTH_TOKEN_PATH`` if set, else kvstore's own ``~/.kvstore/ray_auth_token``, 0600).
+Other kvstore processes of the same user join with the printed address and find that token
+themselves; Ray's own CLI and other drivers need the two variables it prints, e.g.:
 
     python3 cluster/local_cluster.py --machines 13
     kvstore gc --dry-run --address 127.0.0.1:PORT
@@ -53,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"address: {cluster.address}", flush=True)
         print(f"machines: {' '.join(cluster.machines)}", flush=True)
+        if cluster.token_path is not None:  # None: the token came as RAY_AUTH_TOKEN
+            print(
+                f"ray auth: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={cluster.token_path}",
+                flush=True,
+            )
         print("Ctrl-C stops every process of the cluster.", file=sys.stderr, flush=True)
         while not stop.wait(1.0):
             pass

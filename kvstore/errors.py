@@ -53,6 +53,18 @@ class InvalidArgument(KVStoreError):
         return (type(self), (self.argument, self.detail))
 
 
+class Unauthenticated(KVStoreError):
+    """The caller did not prove who it is (no, a wrong or an ambiguous credential)."""
+
+    grpc_status = "UNAUTHENTICATED"
+
+
+class Forbidden(KVStoreError):
+    """The caller is known but may not do this (write the shared namespace, use a class)."""
+
+    grpc_status = "PERMISSION_DENIED"
+
+
 class LayoutError(KVStoreError):
     """A state-block layout does not add up (would otherwise corrupt memory silently)."""
 

@@ -5,6 +5,12 @@ loopback only, short health checks so a machine removed without notice is declar
 It starts lazily, the first time a test asks for it, and stops at the end of the session. Tests
 that remove machines must ``add_machine()`` their own first and remove only those; tests that
 create actors should kill them when done (the cluster outlives the test).
+
+It runs with Ray's token authentication on, as every cluster kvstore starts does (see
+``kvstore.runtime.cluster``): this process's environment then names the token
+(``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN_PATH``), so the drivers tests start as subprocesses
+(``kvstore up``, the engine's fetcher process) inherit it. A test that plays a driver without
+the token builds its environment without those two (tests/security/test_ray_auth.py).
 """
 
 from __future__ import annotations

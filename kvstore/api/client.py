@@ -11,6 +11,7 @@ and message (which names the field).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,7 +32,10 @@ from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, St
 _MODES = {"standard": pb.HIT_MODE_STANDARD, "bounded-replay": pb.HIT_MODE_BOUNDED_REPLAY}
 _ADVICE = {pb.ADVICE_FETCH: "fetch", pb.ADVICE_REPLAY: "replay"}
 #: Blocks per PutBlocks stream message: keeps each message far below the size limit.
-_PUT_CHUNK_BYTES = 8 * 1024 * 1024
+_PUT_CHUNK_BYTES = 2 * 1024 * 1024
+#: Payload bytes per PutBlocks stream (the gateway refuses a stream past 64 MiB): a larger put
+#: is several streams, one after the other.
+_PUT_STREAM_BYTES = 32 * 1024 * 1024
 
 
 def _optional(value: int) -> int | None:
@@ -43,16 +47,30 @@ class KVStoreClient:
         self,
         address: str,
         token: str | None = None,
-        tls_root_cert: Path | None = None,
+        tls_root_cert: Path | str | None = None,
         timeout_s: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls_client_cert: Path | str | None = None,
+        tls_client_key: Path | str | None = None,
     ) -> None:
+        """``token``: the tenant's bearer token; or, with mutual TLS, ``tls_client_cert`` and
+        ``tls_client_key`` (its certificate's common name names the tenant)."""
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
+        if (tls_client_cert is None) != (tls_client_key is None):
+            raise InvalidArgument("tls_client_cert", "give the client certificate and key together")
+        if tls_client_cert is not None and tls_root_cert is None:
+            raise InvalidArgument("tls_client_cert", "a client certificate needs tls_root_cert")
         if tls_root_cert is not None:
-            credentials = grpc.ssl_channel_credentials(tls_root_cert.read_bytes())
+            credentials = grpc.ssl_channel_credentials(
+                Path(tls_root_cert).read_bytes(),
+                private_key=None if tls_client_key is None else Path(tls_client_key).read_bytes(),
+                certificate_chain=(
+                    None if tls_client_cert is None else Path(tls_client_cert).read_bytes()
+                ),
+            )
             self._channel = grpc.secure_channel(address, credentials, options=options)
         else:
             self._channel = grpc.insecure_channel(address, options=options)
@@ -116,13 +134,37 @@ class KVStoreClient:
         )
 
     def put_blocks(
-        self, keys: Sequence[bytes], payloads: Sequence[bytes], traffic_class: str = ""
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[bytes],
+        traffic_class: str = "",
+        *,
+        shared: bool = False,
     ) -> PutAnswer:
+        """Store blocks in the caller's namespace (``shared``: the shared one, for a tenant with
+        the trusted writer role)."""
         if len(keys) != len(payloads):
             raise InvalidArgument(
                 "payloads", f"{len(payloads)} payloads for {len(keys)} keys (one each)"
             )
+        answers = [
+            self._put_stream(keys[start:end], payloads[start:end], traffic_class, shared)
+            for start, end in _streams(payloads)
+        ]
+        return PutAnswer(
+            stored=sum(a.stored for a in answers),
+            existing=sum(a.existing for a in answers),
+            busy_keys=tuple(k for a in answers for k in a.busy_keys),
+            failed_keys=tuple(k for a in answers for k in a.failed_keys),
+        )
 
+    def _put_stream(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[bytes],
+        traffic_class: str,
+        shared: bool,
+    ) -> PutAnswer:
         def messages() -> Iterator[Any]:
             chunk: list[Any] = []
             size = 0
@@ -132,12 +174,12 @@ class KVStoreClient:
                 size += len(payload)
                 if size >= _PUT_CHUNK_BYTES:
                     yield pb.PutBlocksRequest(
-                        blocks=chunk, traffic_class=traffic_class if first else ""
+                        blocks=chunk, traffic_class=traffic_class if first else "", shared=shared
                     )
                     chunk, size, first = [], 0, False
             if chunk or first:
                 yield pb.PutBlocksRequest(
-                    blocks=chunk, traffic_class=traffic_class if first else ""
+                    blocks=chunk, traffic_class=traffic_class if first else "", shared=shared
                 )
 
         reply = self._stub.PutBlocks(messages(), **self._kw())
@@ -148,23 +190,45 @@ class KVStoreClient:
             failed_keys=tuple(BlockKey(key) for key in reply.failed_keys),
         )
 
-    def get_blocks(self, keys: Sequence[bytes], lease_id: str | None = None) -> list[BlockRead]:
+    def get_blocks(
+        self, keys: Sequence[bytes], lease_id: str | None = None, *, keep_lease: bool = False
+    ) -> list[BlockRead]:
+        """One read per key, in order (the server answers a key given twice once)."""
+        if keep_lease:
+            raise InvalidArgument(
+                "keep_lease", "not over gRPC: a GetBlocks ends its lease; ask every key in one"
+            )
         request = pb.GetBlocksRequest(keys=[bytes(key) for key in keys], lease_id=lease_id or "")
-        return [
-            BlockRead(
+        answered = {
+            reply.key: BlockRead(
                 key=BlockKey(reply.key),
                 payload=reply.payload if reply.found else None,
                 miss_reason=reply.miss_reason or None,
                 degraded=reply.degraded,
             )
             for reply in self._stub.GetBlocks(request, **self._kw())
+        }
+        unanswered = BlockRead(key=BlockKey(b""), payload=None, miss_reason="not_answered")
+        return [
+            answered.get(bytes(key)) or dataclasses.replace(unanswered, key=BlockKey(bytes(key)))
+            for key in keys
         ]
 
     def put_swa_state(
-        self, key: bytes, position: int, state: bytes, machine: str | None = None
+        self,
+        key: bytes,
+        position: int,
+        state: bytes,
+        machine: str | None = None,
+        *,
+        shared: bool = False,
     ) -> str:
         request = pb.PutSWAStateRequest(
-            key=bytes(key), position=position, state=bytes(state), machine=machine or ""
+            key=bytes(key),
+            position=position,
+            state=bytes(state),
+            machine=machine or "",
+            shared=shared,
         )
         return str(self._stub.PutSWAState(request, **self._kw()).owner)
 
@@ -217,6 +281,19 @@ class KVStoreClient:
             storage_nodes=reply.storage_nodes,
             extra={k: v for k, v in figures.items() if k not in known},
         )
+
+
+def _streams(payloads: Sequence[bytes]) -> list[tuple[int, int]]:
+    """[start, end) ranges of ``payloads`` of at most ``_PUT_STREAM_BYTES`` each (at least one
+    payload each; an empty put is one empty range, which the server refuses by name)."""
+    ranges, start, size = [], 0, 0
+    for index, payload in enumerate(payloads):
+        if size and size + len(payload) > _PUT_STREAM_BYTES:
+            ranges.append((start, index))
+            start, size = index, 0
+        size += len(payload)
+    ranges.append((start, len(payloads)))
+    return ranges
 
 
 def _packed(keys: Sequence[bytes] | np.ndarray) -> bytes:

@@ -1,40 +1,50 @@
-"""The ``kvstore.v1.KVStore`` servicer: validate every field, translate, call the tier.
+"""The ``kvstore.v1.KVStore`` servicer: who is asking, validate every field, call their tier.
 
-The tier is anything implementing ``kvstore.tier.protocols.Tier`` (the deployed cluster's
-``ClusterTier`` in ``kvstore up``; a stand-in in the unit tests). Every malformed request is
-answered INVALID_ARGUMENT with a message naming the field; errors from the tier map to status
-codes through ``kvstore.errors.grpc_status_name``; anything unexpected is logged and answered
-INTERNAL — the server itself never goes down on input. Tier calls are synchronous (they wait on
-the cluster), so they run in the server's bounded thread pool; a request that finds the pool full
-is refused with RESOURCE_EXHAUSTED instead of queueing without bound.
+Each request acts for a tenant (``kvstore.api.auth``) and is served by that tenant's view of
+the tier (``kvstore.tier.tenancy.TenantView``: its keys namespaced, its policy applied). Every
+malformed request is answered INVALID_ARGUMENT with a message naming the field; errors from the
+tier map to status codes through ``kvstore.errors.grpc_status_name``; anything unexpected is
+logged and answered INTERNAL — the server itself never goes down on input.
+
+Bounded in memory and time (``GatewayLimits``): requests in flight are admitted up to a count,
+a stream counted until it finishes; bytes held for GetBlocks and PutBlocks are reserved from a
+``ByteBudget`` (in total, per tenant, per connection); GetBlocks reads in batches, the next only
+once the client took the last, and ends a reader that stalls; long token lists are hashed in the
+worker pool, never on the event loop; every call has a server-side deadline. Tier calls wait on
+the cluster, so they run in the bounded thread pool (QueryHit on the loop itself when the tier
+can plan from it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 import numpy as np
 
+from kvstore.api.auth import Authenticator
+from kvstore.api.budget import MIB, BudgetLimits, ByteBudget
 from kvstore.api.metrics import ApiMetrics
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.errors import InvalidArgument, KVStoreError, Overloaded, grpc_status_name
-from kvstore.keys import KEY_BYTES, BlockKey, block_keys, key_words
-from kvstore.tier.protocols import AsyncHitSource, Tier
+from kvstore.errors import ConfigError, InvalidArgument, KVStoreError, Overloaded, grpc_status_name
+from kvstore.keys import KEY_BYTES, BlockKey, block_key_words, key_words
+from kvstore.tenants import RateLimiter, Tenant
 from kvstore.tier.records import HitRequest
+from kvstore.tier.tenancy import TenantView, TenantViews
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_KEYS_PER_REQUEST = 1 << 16  # 8M tokens of prompt: far beyond any model's context
-MAX_TOKENS_PER_REQUEST = MAX_KEYS_PER_REQUEST * 128
 MAX_LEASE_ID_CHARS = 128
 MAX_CLASS_CHARS = 64
 _MODES = {
@@ -90,64 +100,160 @@ def _non_negative(value: int, field: str) -> int:
     return value
 
 
+def _fits_prompt(keys: np.ndarray, prompt_len: int, field: str) -> None:
+    if keys.shape[0] * 128 > prompt_len:
+        raise InvalidArgument(
+            "prompt_len",
+            f"{prompt_len} tokens cannot hold the {keys.shape[0]} blocks of {field} "
+            f"({keys.shape[0] * 128} tokens)",
+        )
+
+
+@dataclass(frozen=True)
+class GatewayLimits:
+    """What one request, connection or tenant may hold of the gateway (``kvstore up`` flags)."""
+
+    #: Token ids one QueryHit may carry (a 1 M-token prompt is beyond any model served today).
+    max_tokens: int = 1 << 20
+    #: Token lists longer than this are hashed in the worker pool (≈ 11 µs per 1,000 tokens,
+    #: the GIL released) so a long prompt never stalls the event loop and every call behind it.
+    inline_hash_tokens: int = 16_384
+    #: Payload bytes one PutBlocks stream may carry (the Python client splits larger puts).
+    max_put_bytes: int = 64 * MIB
+    #: Bytes of blocks one GetBlocks reads at a time (the next batch once the client took
+    #: this one).
+    get_batch_bytes: int = 8 * MIB
+    #: What the transport may buffer for one stream beyond the batch (the client's HTTP/2
+    #: window), reserved for the stream's whole life.
+    stream_window_bytes: int = 4 * MIB
+    #: A GetBlocks whose reader takes no message for this long is ended (DEADLINE_EXCEEDED).
+    stall_s: float = 20.0
+    #: No call runs longer than this on the server (DEADLINE_EXCEEDED).
+    rpc_deadline_s: float = 120.0
+    max_streams_per_connection: int = 64
+    connection_idle_s: float = 300.0
+    connection_age_s: float = 3600.0
+    budget: BudgetLimits = field(default_factory=BudgetLimits)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_tokens",
+            "max_put_bytes",
+            "get_batch_bytes",
+            "max_streams_per_connection",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be ≥ 1, got {getattr(self, name)}")
+        for name in ("stall_s", "rpc_deadline_s", "connection_idle_s", "connection_age_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        smallest = min(self.budget.connection_bytes, self.budget.tenant_bytes)
+        for name in ("max_put_bytes", "get_batch_bytes"):
+            if getattr(self, name) + self.stream_window_bytes > smallest:
+                raise ConfigError(
+                    name,
+                    f"{getattr(self, name)} bytes (plus a {self.stream_window_bytes}-byte stream "
+                    f"window) could never fit the {smallest}-byte budget of a connection",
+                )
+
+
+class _Call:
+    """One admitted request: who it is for, where it came from, what it holds."""
+
+    __slots__ = ("method", "tenant", "view", "peer", "started")
+
+    def __init__(self, method: str, tenant: Tenant, view: TenantView, peer: str) -> None:
+        self.method = method
+        self.tenant = tenant
+        self.view = view
+        self.peer = peer
+        self.started = time.perf_counter()
+
+
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(
         self,
-        tier: Tier,
+        views: TenantViews,
+        auth: Authenticator,
         executor: ThreadPoolExecutor,
         max_in_flight: int,
+        limits: GatewayLimits | None = None,
         metrics: ApiMetrics | None = None,
     ) -> None:
-        self._tier = tier
-        # A tier that can plan hits on the loop itself (the cluster's) spares the thread hop.
-        self._async_hits = tier if isinstance(tier, AsyncHitSource) else None
+        self._views = views
+        self._auth = auth
+        self._fingerprint = views.tier.model_fingerprint
         self._executor = executor
         self._max_in_flight = max_in_flight
+        self._limits = limits or GatewayLimits()
+        self._budget = ByteBudget(self._limits.budget)
+        self._rates = RateLimiter()
         self._in_flight = 0
         self._metrics = metrics
 
     # --- plumbing ------------------------------------------------------------------------
 
-    async def _call(
+    async def _enter(self, method: str, context: Any) -> _Call:
+        """Identify the caller, apply its rate and the admission limit; the call is counted in
+        flight until ``_leave`` (for a stream: until it finishes, not when it first yields)."""
+        try:
+            tenant = self._auth.tenant(context.invocation_metadata() or (), context.auth_context())
+            if not self._rates.allow(tenant):
+                raise Overloaded(
+                    f"tenant {tenant.name!r} is over its {tenant.max_requests_per_s:g} "
+                    "requests per second"
+                )
+            if self._in_flight >= self._max_in_flight:
+                raise Overloaded(f"{self._max_in_flight} requests in flight")
+        except KVStoreError as error:
+            await self._abort(context, method, error)
+        self._in_flight += 1
+        return _Call(method, tenant, self._views.view(tenant), context.peer() or "")
+
+    def _leave(self, call: _Call) -> None:
+        self._in_flight -= 1
+        if self._metrics is not None:
+            self._metrics.observe(call.method, time.perf_counter() - call.started)
+
+    async def _run(
         self,
-        method: str,
+        call: _Call,
         context: Any,
         work: Callable[[], T],
         inline: bool = False,
         awaited: Callable[[], Awaitable[T]] | None = None,
     ) -> T:
-        """Run ``work`` in the pool with admission control; map errors to status codes.
-        ``inline``: work that never blocks (the tier protocol says which) runs on the event loop,
-        sparing the thread hop that would cost more than the work. ``awaited``: the same work
-        as a coroutine the loop runs itself (a tier with an asyncio path), used instead."""
-        if self._in_flight >= self._max_in_flight:
-            await self._abort(
-                context, method, Overloaded(f"{self._max_in_flight} requests in flight")
-            )
-        self._in_flight += 1
-        started = time.perf_counter()
+        """Run ``work`` in the pool (``inline``: on the loop, for work that never blocks;
+        ``awaited``: as a coroutine on the loop) under the server-side deadline; map errors
+        to status codes."""
         try:
             if awaited is not None:
-                return await awaited()
-            if inline:
+                job: Awaitable[T] = awaited()
+            elif inline:
                 return work()
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, work)
+            else:
+                job = asyncio.get_running_loop().run_in_executor(self._executor, work)
+            return await asyncio.wait_for(job, self._limits.rpc_deadline_s)
         except KVStoreError as error:
-            await self._abort(context, method, error)
+            await self._abort(context, call.method, error)
+        except TimeoutError:
+            await self._abort_with(
+                context,
+                call.method,
+                "DEADLINE_EXCEEDED",
+                f"{call.method} ran past the server's {self._limits.rpc_deadline_s:g} s",
+            )
         except Exception as error:  # the server never dies on a request; log and answer
-            log.exception("%s failed", method)
-            await self._abort(context, method, error)
-        finally:
-            self._in_flight -= 1
-            if self._metrics is not None:
-                self._metrics.observe(method, time.perf_counter() - started)
+            log.exception("%s failed", call.method)
+            await self._abort(context, call.method, error)
 
     async def _abort(self, context: Any, method: str, error: BaseException) -> NoReturn:
-        status = grpc_status_name(error)
+        message = str(error) if isinstance(error, KVStoreError) else f"internal error: {error!r}"
+        await self._abort_with(context, method, grpc_status_name(error), message)
+
+    async def _abort_with(self, context: Any, method: str, status: str, message: str) -> NoReturn:
         if self._metrics is not None:
             self._metrics.error(method, status)
-        message = str(error) if isinstance(error, KVStoreError) else f"internal error: {error!r}"
         await context.abort(getattr(grpc.StatusCode, status), message)
         raise AssertionError("context.abort returned")  # pragma: no cover
 
@@ -160,9 +266,44 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     # --- RPCs ----------------------------------------------------------------------------
 
     async def QueryHit(self, request: Any, context: Any) -> Any:
-        keys, prompt_len, mode, traffic_class = await self._validate(
+        call = await self._enter("QueryHit", context)
+        try:
+            return await self._query_hit(call, request, context)
+        finally:
+            self._leave(call)
+
+    async def _query_hit(self, call: _Call, request: Any, context: Any) -> Any:
+        view = call.view
+        prompt_len, mode, traffic_class = await self._validate(
             context, "QueryHit", lambda: self._query_args(request)
         )
+        tokens = request.token_ids
+        if tokens:
+            prompt_len = len(tokens)
+            fingerprint = self._fingerprint
+
+            def hash_tokens() -> np.ndarray:
+                # (Slicing the repeated field would copy it element by element: ~50 ms for 1M.)
+                return block_key_words(fingerprint, np.asarray(tokens))
+
+            keys = await self._run(
+                call, context, hash_tokens, inline=len(tokens) <= self._limits.inline_hash_tokens
+            )
+        elif request.block_keys_packed:
+            keys = await self._validate(
+                context,
+                "QueryHit",
+                lambda: _packed_key_words(request.block_keys_packed, "block_keys_packed"),
+            )
+        else:
+            keys = await self._validate(
+                context, "QueryHit", lambda: _key_words(request.block_keys, "block_keys")
+            )
+        field_name = "block_keys_packed" if request.block_keys_packed else "block_keys"
+        if not tokens:
+            await self._validate(
+                context, "QueryHit", lambda: _fits_prompt(keys, prompt_len, field_name)
+            )
         hit = HitRequest(
             block_keys=keys,
             prompt_len=prompt_len,
@@ -170,12 +311,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             traffic_class=traffic_class,
             take_lease=request.take_lease,
         )
-        hits = self._async_hits
-        answer = await self._call(
-            "QueryHit",
+        answer = await self._run(
+            call,
             context,
-            lambda: self._tier.query_hit(hit),
-            awaited=None if hits is None else lambda: hits.query_hit_async(hit),
+            lambda: view.query_hit(hit),
+            awaited=(lambda: view.query_hit_async(hit)) if view.async_capable else None,
         )
         plan = answer.plan
         packed = bool(request.block_keys_packed)
@@ -202,7 +342,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             hit_block_keys_packed=answer.hit_keys_packed if packed else b"",
         )
 
-    def _query_args(self, request: Any) -> tuple[np.ndarray, int, str, str]:
+    def _query_args(self, request: Any) -> tuple[int, str, str]:
         if request.mode not in _MODES:
             raise InvalidArgument("mode", f"unknown hit mode {request.mode}")
         traffic_class = _short_string(request.traffic_class, "traffic_class", MAX_CLASS_CHARS)
@@ -217,153 +357,237 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 given[0],
                 f"give one of token_ids, block_keys, block_keys_packed; got {' and '.join(given)}",
             )
-        if request.token_ids:
-            if len(request.token_ids) > MAX_TOKENS_PER_REQUEST:
+        tokens = len(request.token_ids)
+        if tokens:
+            if tokens > self._limits.max_tokens:
                 raise InvalidArgument(
-                    "token_ids",
-                    f"at most {MAX_TOKENS_PER_REQUEST} tokens, got {len(request.token_ids)}",
+                    "token_ids", f"at most {self._limits.max_tokens} tokens, got {tokens}"
                 )
-            if prompt_len not in (0, len(request.token_ids)):
+            if prompt_len not in (0, tokens):
                 raise InvalidArgument(
-                    "prompt_len",
-                    f"{prompt_len} differs from the {len(request.token_ids)} token_ids given",
+                    "prompt_len", f"{prompt_len} differs from the {tokens} token_ids given"
                 )
-            prompt_len = len(request.token_ids)
-            keys = key_words(block_keys(self._tier.model_fingerprint, list(request.token_ids)))
-        elif request.block_keys_packed:
-            keys = _packed_key_words(request.block_keys_packed, "block_keys_packed")
-        else:
-            keys = _key_words(request.block_keys, "block_keys")
-            if len(keys) * 128 > prompt_len:
-                raise InvalidArgument(
-                    "prompt_len",
-                    f"{prompt_len} tokens cannot hold the {len(keys)} blocks of block_keys "
-                    f"({len(keys) * 128} tokens)",
-                )
-        return keys, prompt_len, _MODES[request.mode], traffic_class
+        return prompt_len, _MODES[request.mode], traffic_class
 
     async def PutBlocks(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
-        keys: list[BlockKey] = []
-        payloads: list[bytes] = []
-        traffic_class: str | None = None
-        async for message in request_iterator:
-            if traffic_class is None:
-                traffic_class = await self._validate(
-                    context,
-                    "PutBlocks",
-                    functools.partial(
-                        _short_string, message.traffic_class, "traffic_class", MAX_CLASS_CHARS
-                    ),
-                )
-            for block in message.blocks:
-                position = len(keys)
-                if len(block.key) != KEY_BYTES:
+        call = await self._enter("PutBlocks", context)
+        held = 0
+        try:
+            keys: list[BlockKey] = []
+            payloads: list[bytes] = []
+            first: Any = None
+            size = call.view.block_bytes
+            limit = self._limits.max_put_bytes
+            async for message in request_iterator:
+                if first is None:
+                    first = message
+                    await self._validate(
+                        context,
+                        "PutBlocks",
+                        functools.partial(
+                            _short_string,
+                            str(message.traffic_class),
+                            "traffic_class",
+                            MAX_CLASS_CHARS,
+                        ),
+                    )
+                incoming = 0
+                for block in message.blocks:
+                    position = len(keys)
+                    problem = None
+                    if len(block.key) != KEY_BYTES:
+                        problem = InvalidArgument(
+                            f"blocks[{position}].key",
+                            f"must be {KEY_BYTES} bytes, got {len(block.key)}",
+                        )
+                    elif len(block.payload) != size:
+                        problem = InvalidArgument(
+                            f"blocks[{position}].payload",
+                            f"must be one block of this model's preset ({size} bytes), got "
+                            f"{len(block.payload)}",
+                        )
+                    if problem is not None:
+                        await self._abort(context, "PutBlocks", problem)
+                    keys.append(BlockKey(block.key))
+                    payloads.append(block.payload)
+                    incoming += len(block.payload)
+                if len(keys) > MAX_KEYS_PER_REQUEST:
                     await self._abort(
                         context,
                         "PutBlocks",
                         InvalidArgument(
-                            f"blocks[{position}].key",
-                            f"must be {KEY_BYTES} bytes, got {len(block.key)}",
+                            "blocks", f"at most {MAX_KEYS_PER_REQUEST} blocks per stream"
                         ),
                     )
-                if not block.payload:
+                if held + incoming > limit:
                     await self._abort(
                         context,
                         "PutBlocks",
-                        InvalidArgument(f"blocks[{position}].payload", "is empty"),
+                        Overloaded(
+                            f"blocks: a PutBlocks stream carries at most {limit} payload bytes; "
+                            "split the put"
+                        ),
                     )
-                keys.append(BlockKey(block.key))
-                payloads.append(block.payload)
-            if len(keys) > MAX_KEYS_PER_REQUEST:
+                # Hold no more than the budget allows: until it does, the stream is not read
+                # further (the client's sends wait on HTTP/2 flow control).
+                await self._reserve(call, context, incoming)
+                held += incoming
+            if not keys:
                 await self._abort(
-                    context,
-                    "PutBlocks",
-                    InvalidArgument("blocks", f"at most {MAX_KEYS_PER_REQUEST} blocks per stream"),
+                    context, "PutBlocks", InvalidArgument("blocks", "no blocks given")
                 )
-        if not keys:
-            await self._abort(context, "PutBlocks", InvalidArgument("blocks", "no blocks given"))
-        answer = await self._call(
-            "PutBlocks",
-            context,
-            lambda: self._tier.put_blocks(keys, payloads, traffic_class or ""),
-        )
-        return pb.PutBlocksResponse(
-            committed=answer.committed,
-            existing=answer.existing,
-            failed_keys=list(answer.failed_keys),
-            busy_keys=list(answer.busy_keys),
-        )
-
-    async def GetBlocks(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        keys, lease_id = await self._validate(
-            context,
-            "GetBlocks",
-            lambda: (
-                _keys(request.keys, "keys"),
-                _short_string(request.lease_id, "lease_id", MAX_LEASE_ID_CHARS) or None,
-            ),
-        )
-        reads = await self._call(
-            "GetBlocks", context, lambda: self._tier.get_blocks(keys, lease_id)
-        )
-        for read in reads:
-            yield pb.GetBlocksResponse(
-                key=read.key,
-                found=read.found,
-                payload=read.payload or b"",
-                miss_reason=read.miss_reason or "",
-                degraded=read.degraded,
+            traffic_class = first.traffic_class if first is not None else ""
+            shared = bool(first.shared) if first is not None else False
+            view = call.view
+            answer = await self._run(
+                call,
+                context,
+                lambda: view.put_blocks(keys, payloads, traffic_class, shared=shared),
             )
+            return pb.PutBlocksResponse(
+                committed=answer.committed,
+                existing=answer.existing,
+                failed_keys=list(answer.failed_keys),
+                busy_keys=list(answer.busy_keys),
+            )
+        finally:
+            self._budget.release(held, call.tenant.name, call.peer)
+            self._leave(call)
+
+    async def GetBlocks(self, request: Any, context: Any) -> None:
+        """Written with ``context.write`` (not yield) so a reader that stops taking messages is
+        noticed: each write waits for the transport, at most ``stall_s``."""
+        call = await self._enter("GetBlocks", context)
+        limits = self._limits
+        window = limits.stream_window_bytes
+        held = 0
+        lease_id = None
+        try:
+            keys, lease_id = await self._validate(
+                context,
+                "GetBlocks",
+                lambda: (
+                    _keys(request.keys, "keys"),
+                    _short_string(request.lease_id, "lease_id", MAX_LEASE_ID_CHARS) or None,
+                ),
+            )
+            view = call.view
+            distinct = list(dict.fromkeys(keys))  # a key asked twice is read (and sent) once
+            per_batch = max(1, limits.get_batch_bytes // max(1, view.block_bytes))
+            await self._reserve(call, context, window)
+            held += window
+            for start in range(0, len(distinct), per_batch):
+                part = distinct[start : start + per_batch]
+                size = len(part) * view.block_bytes
+                await self._reserve(call, context, size)
+                held += size
+                reads = await self._run(
+                    call,
+                    context,
+                    functools.partial(view.get_blocks, part, lease_id, keep_lease=True),
+                )
+                for read in reads:
+                    reply = pb.GetBlocksResponse(
+                        key=read.key,
+                        found=read.found,
+                        payload=read.payload or b"",
+                        miss_reason=read.miss_reason or "",
+                        degraded=read.degraded,
+                    )
+                    try:
+                        await asyncio.wait_for(context.write(reply), limits.stall_s)
+                    except TimeoutError:
+                        await self._abort_with(
+                            context,
+                            "GetBlocks",
+                            "DEADLINE_EXCEEDED",
+                            f"the client took no block for {limits.stall_s:g} s",
+                        )
+                del reads
+                self._budget.release(size, call.tenant.name, call.peer)
+                held -= size
+        finally:
+            if lease_id is not None:
+                call.view.release_lease(lease_id)  # the read is done: GC may collect again
+            self._budget.release(held, call.tenant.name, call.peer)
+            self._leave(call)
+
+    async def _reserve(self, call: _Call, context: Any, size: int) -> None:
+        try:
+            await self._budget.acquire(size, call.tenant.name, call.peer)
+        except KVStoreError as error:
+            await self._abort(context, call.method, error)
 
     async def PutSWAState(self, request: Any, context: Any) -> Any:
-        def check() -> tuple[BlockKey, str | None]:
-            key = _keys([request.key], "key")[0]
-            machine = _short_string(request.machine, "machine", MAX_CLASS_CHARS) or None
-            if len(request.state) != self._tier.state_size:
-                raise InvalidArgument(
-                    "state",
-                    f"must be exactly {self._tier.state_size} bytes (state_size_to_disk) at "
-                    f"position {request.position}, got {len(request.state)}",
-                )
-            return key, machine
+        call = await self._enter("PutSWAState", context)
+        try:
+            view = call.view
 
-        key, machine = await self._validate(context, "PutSWAState", check)
-        owner = await self._call(
-            "PutSWAState",
-            context,
-            lambda: self._tier.put_swa_state(key, request.position, request.state, machine),
-        )
-        return pb.PutSWAStateResponse(owner=owner)
+            def check() -> tuple[BlockKey, str | None]:
+                key = _keys([request.key], "key")[0]
+                machine = _short_string(request.machine, "machine", MAX_CLASS_CHARS) or None
+                if len(request.state) != view.state_size:
+                    raise InvalidArgument(
+                        "state",
+                        f"must be exactly {view.state_size} bytes (state_size_to_disk) at "
+                        f"position {request.position}, got {len(request.state)}",
+                    )
+                return key, machine
+
+            key, machine = await self._validate(context, "PutSWAState", check)
+            owner = await self._run(
+                call,
+                context,
+                lambda: view.put_swa_state(
+                    key, request.position, request.state, machine, shared=request.shared
+                ),
+            )
+            return pb.PutSWAStateResponse(owner=owner)
+        finally:
+            self._leave(call)
 
     async def GetSWAState(self, request: Any, context: Any) -> Any:
-        key = await self._validate(context, "GetSWAState", lambda: _keys([request.key], "key")[0])
-        read = await self._call(
-            "GetSWAState", context, lambda: self._tier.get_swa_state(key, request.position)
-        )
-        return pb.GetSWAStateResponse(
-            found=read.state is not None,
-            state=read.state or b"",
-            owner=read.owner or "",
-            miss_reason=read.miss_reason or "",
-        )
+        call = await self._enter("GetSWAState", context)
+        try:
+            key = await self._validate(
+                context, "GetSWAState", lambda: _keys([request.key], "key")[0]
+            )
+            view = call.view
+            read = await self._run(call, context, lambda: view.get_swa_state(key, request.position))
+            return pb.GetSWAStateResponse(
+                found=read.state is not None,
+                state=read.state or b"",
+                owner=read.owner or "",
+                miss_reason=read.miss_reason or "",
+            )
+        finally:
+            self._leave(call)
 
     async def ReleaseLease(self, request: Any, context: Any) -> Any:
-        def check() -> str:
-            lease_id = _short_string(request.lease_id, "lease_id", MAX_LEASE_ID_CHARS)
-            if not lease_id:
-                raise InvalidArgument("lease_id", "is empty")
-            return lease_id
+        call = await self._enter("ReleaseLease", context)
+        try:
 
-        lease_id = await self._validate(context, "ReleaseLease", check)
-        released = await self._call(
-            "ReleaseLease", context, lambda: self._tier.release_lease(lease_id), inline=True
-        )
-        return pb.ReleaseLeaseResponse(released=released)
+            def check() -> str:
+                lease_id = _short_string(request.lease_id, "lease_id", MAX_LEASE_ID_CHARS)
+                if not lease_id:
+                    raise InvalidArgument("lease_id", "is empty")
+                return lease_id
+
+            lease_id = await self._validate(context, "ReleaseLease", check)
+            view = call.view
+            released = await self._run(
+                call, context, lambda: view.release_lease(lease_id), inline=True
+            )
+            return pb.ReleaseLeaseResponse(released=released)
+        finally:
+            self._leave(call)
 
     async def GetStats(self, request: Any, context: Any) -> Any:
-        import json
-
-        stats = await self._call("GetStats", context, self._tier.stats)
+        call = await self._enter("GetStats", context)
+        try:
+            stats = await self._run(call, context, call.view.stats)
+        finally:
+            self._leave(call)
         classes = []
         for name, figures in sorted(stats.classes.items()):
             classes.append(

@@ -2,6 +2,4 @@
 
 from typing import Any
 
-def find_rows(
-    table: Any, column: Any, keys: Any, out: Any, multiplier: int, bits: int
-) -> None: ...
+def find_rows(table: Any, column: Any, keys: Any, out: Any, multiplier: int, bits: int) -> None: ...

@@ -41,16 +41,31 @@ class StorageNodeConfig:
     fsync: FsyncPolicy = "batch"
     #: RAM read cache of whole shard files, bytes (0 = off).
     read_cache_bytes: int = 256 * _MIB
-    #: Bytes this node may hold on disk; a put beyond it is refused (the GC evicts first).
-    capacity_bytes: int = 64 * 1024 * _MIB
+    #: Bytes of disk blocks this node may hold; a put beyond it is refused (the GC evicts
+    #: first). None: what its filesystem has free beyond the reserve below, shared with the other
+    #: nodes on that filesystem (``kvstore.blockstore.capacity``). Set: the operator's figure.
+    capacity_bytes: int | None = None
+    #: With the capacity from the disk, left free on the filesystem for everything else: this
+    #: share of its size or ``disk_reserve_bytes``, whichever is larger.
+    disk_reserve_fraction: float = 0.10
+    disk_reserve_bytes: int = 1024 * _MIB
 
     def __post_init__(self) -> None:
         if self.fsync not in _FSYNC_POLICIES:
             raise ConfigError("fsync", f"must be one of {_FSYNC_POLICIES}, got {self.fsync!r}")
         _non_negative_int("read_cache_bytes", self.read_cache_bytes)
-        _non_negative_int("capacity_bytes", self.capacity_bytes)
-        if self.capacity_bytes == 0:
-            raise ConfigError("capacity_bytes", "must be > 0")
+        if self.capacity_bytes is not None:
+            _non_negative_int("capacity_bytes", self.capacity_bytes)
+            if self.capacity_bytes == 0:
+                raise ConfigError("capacity_bytes", "must be > 0 (or None: from the disk)")
+        fraction = self.disk_reserve_fraction
+        if (
+            not isinstance(fraction, int | float)
+            or isinstance(fraction, bool)
+            or not 0 <= fraction < 1
+        ):
+            raise ConfigError("disk_reserve_fraction", f"must be in [0, 1), got {fraction!r}")
+        _non_negative_int("disk_reserve_bytes", self.disk_reserve_bytes)
 
 
 @dataclass(frozen=True)

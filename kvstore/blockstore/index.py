@@ -19,7 +19,8 @@ class          uint8           traffic class id (position in the configured clas
 created        uint32          seconds since the Unix epoch, rounded *up*
 last_access    float64         seconds since the Unix epoch, exact (LRU needs a total order)
 lease_until    uint32          seconds since the Unix epoch, rounded *up*; 0 = no lease
-lease_count    uint16          leases acquired and not yet released
+lease_count    uint16          leases acquired and not yet released; saturates at 65,535
+                               (then only ``lease_until`` ends the lease: see acquire_lease)
 =============  ==============  ============================================================
 
 Times: the API takes and returns float seconds since the Unix epoch (what ``kvstore.clock``
@@ -504,13 +505,16 @@ class BlockIndex:
         np.maximum.at(self._last, array, times)  # repeated rows: the latest time wins
 
     def acquire_lease(self, rows: Sequence[int] | np.ndarray, until: float) -> None:
-        """Take one lease on each row, valid until ``until`` (the later of old and new ends)."""
+        """Take one lease on each row, valid until ``until`` (the later of old and new ends).
+
+        Never fails for being asked too often: a count that would pass 65,535 saturates there
+        and stays (``release_lease`` leaves it), so the row is held until its ``lease_until``
+        passes — a block never loses a lease early, and no lookup fails because of how many
+        others hold the same block."""
         array = self._check_rows(rows)
         until = _check_time(until, "until")
         touched, counts = np.unique(array, return_counts=True)
-        after = self._lease_count[touched].astype(np.int64) + counts
-        if touched.size and after.max() > _MAX_LEASES:
-            raise InvalidArgument("rows", f"more than {_MAX_LEASES} leases on one block")
+        after = np.minimum(self._lease_count[touched].astype(np.int64) + counts, _MAX_LEASES)
         self._lease_count[touched] = after.astype(np.uint16)
         self._lease_until[touched] = np.maximum(
             self._lease_until[touched], np.uint32(math.ceil(until))
@@ -520,12 +524,14 @@ class BlockIndex:
         """Give back one lease per row occurrence; a row whose count reaches 0 is unleased.
 
         Releasing more leases than were taken stops at 0 (a late release after a crash or a
-        retry is harmless)."""
+        retry is harmless). A saturated count is not lowered: how many it stands for is no
+        longer known, so only the lease's end frees the row."""
         array = self._check_rows(rows)
         if array.size == 0:
             return
         touched, counts = np.unique(array, return_counts=True)
-        after = np.maximum(self._lease_count[touched].astype(np.int64) - counts, 0)
+        before = self._lease_count[touched].astype(np.int64)
+        after = np.where(before == _MAX_LEASES, before, np.maximum(before - counts, 0))
         self._lease_count[touched] = after.astype(np.uint16)
         self._lease_until[touched[after == 0]] = 0
 

@@ -26,6 +26,9 @@ The protocol, and why each guarantee still holds:
   reject: every shard read here goes through the same verification as one read over Ray
   (payload hash of the whole block against the hash every shard carries; per-shard checksums
   and payload-hash groups on the slow path).
+- *Only the service's user.* The data dir is 0700 and its files 0600 (``kvstore.privatefs``):
+  clients read directly only as the user the nodes run as (every Ray worker of the cluster), and
+  open nothing through a symlink.
 - *Misses stay the node's business.* A file absent or of the wrong size locally is asked of
   the node over Ray, which answers with its own view (its RAM cache, and a note for its scrub
   when a committed file vanished behind its back).
@@ -40,17 +43,20 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
 from kvstore.errors import InvalidArgument
+from kvstore.privatefs import PrivateDir, write_all
 
 log = logging.getLogger(__name__)
 
 #: File in a node's data dir that the serving node process holds locked.
 LIVE_NAME = "LIVE"
+_LIVE_TEMP = LIVE_NAME + ".tmp"
+#: Clients open a node's files without following symlinks, as the node itself does.
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,50 +83,50 @@ class LocalReadGrant:
 class LiveLock:
     """The node side: ``LIVE`` written fresh and held locked while this object is open."""
 
-    def __init__(self, handle: IO[bytes], grant: LocalReadGrant) -> None:
-        self._handle: IO[bytes] | None = handle
+    def __init__(self, fd: int, grant: LocalReadGrant) -> None:
+        self._fd = fd
         self._grant = grant
 
     @classmethod
-    def take(cls, data_dir: Path, node_id: int) -> LiveLock | None:
+    def take(cls, directory: PrivateDir, node_id: int) -> LiveLock | None:
         """Write a new ``LIVE`` (new inode: readers of a previous incarnation's file see it
-        unlocked) and lock it. None when it cannot be held (another node object serves this
-        directory right now): the node then serves over Ray only."""
-        grant = LocalReadGrant(node_id, str(Path(data_dir).resolve()), secrets.token_hex(16))
-        path = Path(grant.data_dir) / LIVE_NAME
-        temporary = path.with_name(LIVE_NAME + ".tmp")
+        unlocked), locked before it is renamed into place. None when that fails: the node then
+        serves over Ray only."""
+        grant = LocalReadGrant(node_id, str(directory.path.resolve()), secrets.token_hex(16))
         try:
-            temporary.write_bytes(grant.live_bytes())
-            os.replace(temporary, path)
-            handle = open(path, "rb")  # noqa: SIM115 (held open for the node's lifetime)
+            fd = directory.create(_LIVE_TEMP)  # O_EXCL | O_NOFOLLOW: never a planted link
         except OSError as error:
             log.warning("node %d: no short-circuit reads (%s)", node_id, error)
             return None
         try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if handle.read() != grant.live_bytes():  # replaced between write and open
-                raise BlockingIOError("LIVE replaced by another node object")
+            write_all(fd, [grant.live_bytes()])
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh inode: nobody holds it
+            directory.replace(_LIVE_TEMP, LIVE_NAME)
         except OSError as error:
-            handle.close()
+            os.close(fd)
+            directory.remove(_LIVE_TEMP)
             log.warning("node %d: no short-circuit reads (%s)", node_id, error)
             return None
-        return cls(handle, grant)
+        return cls(fd, grant)
 
     @property
     def grant(self) -> LocalReadGrant | None:
-        return self._grant if self._handle is not None else None
+        return self._grant if self._fd >= 0 else None
 
     def release(self) -> None:
-        if self._handle is not None:
-            self._handle.close()  # closing the file drops the lock
-            self._handle = None
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the file drops the lock
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.release()
 
 
 def open_live(data_dir: str | os.PathLike[str]) -> IO[bytes] | None:
     """A node directory's current ``LIVE`` file, opened to watch its lock (``wait_unlocked``),
     or None when it is not visible from here (another machine) or was never written."""
     try:
-        return open(os.path.join(data_dir, LIVE_NAME), "rb")  # noqa: SIM115
+        return os.fdopen(os.open(os.path.join(data_dir, LIVE_NAME), _READ), "rb")
     except OSError:
         return None
 
@@ -189,17 +195,14 @@ class LocalShardReader:
         """Start reading ``grant``'s node directly if its directory is visible here, it is the
         incarnation that granted, and it is alive. False (nothing kept) otherwise."""
         self.forget(grant.node_id)
-        try:
-            live = open(os.path.join(grant.data_dir, LIVE_NAME), "rb")  # noqa: SIM115
-        except OSError:
+        live = open_live(grant.data_dir)
+        if live is None:
             return False  # not on this machine (or not at this path here)
         try:
             if live.read(256) != grant.live_bytes():
                 live.close()
                 return False
-            shards_fd = os.open(
-                os.path.join(grant.data_dir, "shards"), os.O_RDONLY | os.O_DIRECTORY
-            )
+            shards_fd = os.open(os.path.join(grant.data_dir, "shards"), _READ | os.O_DIRECTORY)
         except OSError:
             live.close()
             return False
@@ -239,7 +242,7 @@ class LocalShardReader:
             if view is None:
                 return False
             try:
-                fd = os.open(name, os.O_RDONLY, dir_fd=view.shards_fd)
+                fd = os.open(name, _READ, dir_fd=view.shards_fd)
             except OSError:
                 return False
             try:
@@ -284,7 +287,7 @@ class LocalShardReader:
         open_, preadv, close = os.open, os.preadv, os.close
         for i, (key, length) in enumerate(zip(keys, lengths, strict=True)):
             try:
-                fd = open_(key.hex(), os.O_RDONLY, dir_fd=shards_fd)
+                fd = open_(key.hex(), _READ, dir_fd=shards_fd)
             except OSError:
                 continue
             vectors: list[Any] = [buffer[offset : offset + length], probe]

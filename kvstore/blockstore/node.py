@@ -10,6 +10,11 @@ Disk layout under ``data_dir``::
     quarantine/             shard files a scrub found corrupt (kept for post-mortems)
     manifest.arrow          snapshot of the manifest (speeds up start; the directory is the truth)
 
+Only this service's user reads or writes here: directories 0700, files 0600, the data dir and its
+parent checked for owner and mode, every file reached relative to a held directory descriptor
+without following symlinks (``kvstore.privatefs``). Usage counts the disk blocks files take;
+capacity is the operator's or the disk's (``kvstore.blockstore.capacity``).
+
 Crash safety: a shard file is written whole under ``pending/`` (fsynced when ``fsync=always``)
 and only ever enters ``shards/`` by ``rename`` — atomic on POSIX — when the writer commits, after
 every shard of its stripe was acknowledged (the all-or-nothing rule, see ``client.py``). So a
@@ -23,18 +28,18 @@ Not thread-safe: one actor thread owns one node.
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import os
+import stat
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from kvstore.blockstore.capacity import NodeDisk, allocated_bytes
 from kvstore.blockstore.config import StorageNodeConfig
 from kvstore.blockstore.localread import LiveLock, LocalReadGrant
 from kvstore.blockstore.placement import meta_shard_of
@@ -48,8 +53,12 @@ from kvstore.clock import Clock, SystemClock
 from kvstore.ec.shard import parse_shard
 from kvstore.errors import ConfigError, CorruptShard, InvalidArgument, StoreError
 from kvstore.keys import KEY_BYTES, BlockKey, check_key
+from kvstore.privatefs import PrivateDir, write_all
 
 log = logging.getLogger(__name__)
+
+_NODE = "NODE"
+_MANIFEST = "manifest.arrow"
 
 MANIFEST_SCHEMA = pa.schema(
     [
@@ -80,6 +89,8 @@ class ShardEntry:
     stamp: float
     #: Payload hash of the write this shard belongs to (tells writes of one key apart).
     digest: bytes
+    #: Bytes the file takes on disk (its blocks): what usage and capacity count.
+    disk_bytes: int
 
 
 class StorageNode:
@@ -97,10 +108,13 @@ class StorageNode:
         self.node_id = node_id
         self.config = config or StorageNodeConfig()
         self._clock = clock or SystemClock()
-        self._root = Path(data_dir)
-        self._shards = self._root / "shards"
-        self._pending_dir = self._root / "pending"
-        self._quarantine = self._root / "quarantine"
+        self._root = PrivateDir.open(data_dir, "data_dir", check_parent=True)
+        self._shards = self._root.subdir("shards")
+        self._pending_dir = self._root.subdir("pending")
+        self._quarantine = self._root.subdir("quarantine")
+        self._disk = NodeDisk.of(
+            self._root.fd, self.config.disk_reserve_fraction, self.config.disk_reserve_bytes
+        )
         self._committed: dict[bytes, ShardEntry] = {}
         self._pending: dict[tuple[bytes, int], ShardEntry] = {}
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
@@ -128,64 +142,79 @@ class StorageNode:
     # --- start-up --------------------------------------------------------------------------
 
     def _open_directory(self) -> None:
-        for directory in (self._root, self._shards, self._pending_dir, self._quarantine):
-            directory.mkdir(parents=True, exist_ok=True)
-        marker = self._root / "NODE"
-        if marker.exists():
-            owner = marker.read_text().strip()
-            if owner != str(self.node_id):
-                raise ConfigError(
-                    "data_dir", f"{self._root} belongs to storage node {owner}, not {self.node_id}"
-                )
-        else:
-            _write_durably(marker, f"{self.node_id}\n".encode())
+        try:
+            owner: str | None = self._root.read(_NODE).decode().strip()
+        except FileNotFoundError:
+            owner = None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(
+                "data_dir", f"{self._root.path / _NODE} is unreadable: {error}"
+            ) from None
+        if owner is None:
+            self._root.write_atomically(_NODE, [f"{self.node_id}\n".encode()], sync=True)
+        elif owner != str(self.node_id):
+            raise ConfigError(
+                "data_dir",
+                f"{self._root.path} belongs to storage node {owner}, not {self.node_id}",
+            )
         snapshot = self._load_snapshot()
-        for entry in os.scandir(self._shards):
+        for entry, status in _regular_files(self._shards):
             key = _key_from_name(entry.name)
             if key is None:
                 continue
             known = snapshot.get(key)
-            stat = entry.stat()
-            if known is not None and known.file_bytes == stat.st_size:
-                self._committed[key] = known
+            if known is not None and known.file_bytes == status.st_size:
+                self._committed[key] = replace(known, disk_bytes=allocated_bytes(status))
             else:
-                loaded = self._read_entry(Path(entry.path), stat.st_mtime)
+                loaded = self._read_entry(self._shards, entry.name, status)
                 if loaded is not None:
                     self._committed[key] = loaded
-        for entry in os.scandir(self._pending_dir):
+        for entry, status in _regular_files(self._pending_dir):
             parsed = _pending_from_name(entry.name)
             if parsed is None:
                 continue
-            loaded = self._read_entry(Path(entry.path), entry.stat().st_mtime)
+            loaded = self._read_entry(self._pending_dir, entry.name, status)
             if loaded is not None:
                 self._pending[parsed] = loaded
-        self._bytes_used = sum(e.file_bytes for e in self._committed.values()) + sum(
-            e.file_bytes for e in self._pending.values()
+        self._bytes_used = sum(e.disk_bytes for e in self._committed.values()) + sum(
+            e.disk_bytes for e in self._pending.values()
         )
 
-    def _read_entry(self, path: Path, mtime: float) -> ShardEntry | None:
+    def _read_entry(
+        self, directory: PrivateDir, name: str, status: os.stat_result
+    ) -> ShardEntry | None:
         """Entry of a file found on disk at start-up; an unreadable one goes to quarantine."""
         try:
-            with open(path, "rb") as handle:
-                head = handle.read(NODE_HEADER_BYTES + 64)
+            fd = directory.open_read(name)
+            try:
+                head = os.read(fd, NODE_HEADER_BYTES + 64)
+            finally:
+                os.close(fd)
             header = parse_node_header(head)
             index, payload_len = peek_shard(head)
-            size = path.stat().st_size
         except (OSError, CorruptShard) as error:
+            path = directory.path / name
             log.warning("node %d: quarantining unreadable %s: %s", self.node_id, path, error)
-            self._to_quarantine(path)
+            self._to_quarantine(directory, name)
             return None
         return ShardEntry(
-            index, payload_len, header.class_id, header.created, size, mtime, header.payload_hash
+            index,
+            payload_len,
+            header.class_id,
+            header.created,
+            status.st_size,
+            status.st_mtime,
+            header.payload_hash,
+            allocated_bytes(status),
         )
 
     def _load_snapshot(self) -> dict[bytes, ShardEntry]:
-        path = self._root / "manifest.arrow"
-        if not path.exists():
-            return {}
+        """Entries of the last snapshot (their ``disk_bytes`` come from the scan)."""
         try:
-            with ipc.open_file(path) as reader:
+            with ipc.open_file(pa.py_buffer(self._root.read(_MANIFEST))) as reader:
                 table = reader.read_all()
+        except FileNotFoundError:
+            return {}
         except (OSError, pa.ArrowInvalid) as error:
             log.warning("node %d: ignoring unreadable manifest snapshot: %s", self.node_id, error)
             return {}
@@ -193,7 +222,7 @@ class StorageNode:
             return {}  # an older snapshot format: rescan the directory instead
         columns = table.to_pydict()
         return {
-            key: ShardEntry(index, payload_len, class_id, created, file_bytes, stamp, digest)
+            key: ShardEntry(index, payload_len, class_id, created, file_bytes, stamp, digest, 0)
             for key, index, payload_len, class_id, created, file_bytes, stamp, digest in zip(
                 columns["key"],
                 columns["shard_index"],
@@ -235,6 +264,7 @@ class StorageNode:
         now = self._clock.now()
         results: list[bool] = []
         written = False
+        room = self._room()  # disk bytes this batch may still add
         for key, shard, digest, class_id, born in zip(
             keys, shards, payload_hashes, class_ids, created, strict=True
         ):
@@ -252,26 +282,38 @@ class StorageNode:
                 results.append(False)
                 continue
             size = NODE_HEADER_BYTES + parsed.shard_len
-            if self._bytes_used + size > self.config.capacity_bytes:
+            previous = self._pending.get((key, token))  # a retried put: its file is replaced
+            freed = previous.disk_bytes if previous is not None else 0
+            if self._disk.blocks_for(size) > room + freed:
                 self._counters["put_refused"] += 1
                 results.append(False)
                 continue
             header = NodeHeader(int(class_id), float(born), bytes(digest), int(token)).pack()
-            path = self._pending_path(key, token)
+            name = _pending_name(key, token)
+            if previous is not None:
+                del self._pending[(key, token)]
+                self._bytes_used -= freed
+                room += freed
             try:
-                self._write_file(path, header, shard)
+                disk_bytes = self._write_file(name, header, shard)
             except OSError as error:
+                path = self._pending_dir.path / name
                 log.warning("node %d: writing %s failed: %s", self.node_id, path, error)
                 self._counters["put_refused"] += 1
                 results.append(False)
                 continue
-            previous = self._pending.pop((key, token), None)
-            if previous is not None:
-                self._bytes_used -= previous.file_bytes
             self._pending[(key, token)] = ShardEntry(
-                parsed.index, parsed.payload_len, int(class_id), float(born), size, now, digest
+                parsed.index,
+                parsed.payload_len,
+                int(class_id),
+                float(born),
+                size,
+                now,
+                digest,
+                disk_bytes,
             )
-            self._bytes_used += size
+            self._bytes_used += disk_bytes
+            room -= disk_bytes
             self._counters["puts"] += 1
             self._counters["bytes_written"] += size
             results.append(True)
@@ -280,27 +322,33 @@ class StorageNode:
             self._flush(self._pending_dir)
         return results
 
-    def _flush(self, *directories: Path) -> None:
+    def _room(self) -> int:
+        """Disk bytes this node may still add: up to its set capacity, or what the disk has
+        beyond its reserve."""
+        if self.config.capacity_bytes is not None:
+            return self.config.capacity_bytes - self._bytes_used
+        return self._disk.headroom(self._root.fd)
+
+    def _flush(self, *directories: PrivateDir) -> None:
         """Make this batch's file writes and renames durable, per the fsync policy."""
         if self.config.fsync == "always":
             for directory in directories:
-                _fsync_dir(directory)
+                directory.fsync()
         elif self.config.fsync == "batch":
-            _syncfs(directories[0])
+            _syncfs(directories[0].fd)
 
-    def _write_file(self, path: Path, header: bytes, shard: np.ndarray) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    def _write_file(self, name: str, header: bytes, shard: np.ndarray) -> int:
+        """Write pending shard file ``name`` (a new 0600 file, never through a link planted at
+        the name); returns the disk bytes it takes. A failed write leaves no file behind."""
+        fd = self._pending_dir.create(name)
         try:
-            body = memoryview(shard).cast("B")  # type: ignore[arg-type]
-            total = len(header) + len(body)
-            done = os.writev(fd, [header, body])
-            while done < total:  # short writes are legal; finish them
-                if done < len(header):
-                    done += os.writev(fd, [header[done:], body])
-                else:
-                    done += os.write(fd, body[done - len(header) :])
+            write_all(fd, [header, shard])
             if self.config.fsync == "always":
                 os.fsync(fd)
+            return allocated_bytes(os.fstat(fd))  # delayed allocation included (ext4, xfs)
+        except OSError:
+            self._pending_dir.remove(name)
+            raise
         finally:
             os.close(fd)
 
@@ -318,15 +366,15 @@ class StorageNode:
                 results.append(False)
                 continue
             try:
-                os.replace(self._pending_path(key, token), self._shard_path(key))
+                self._pending_dir.replace(_pending_name(key, token), key.hex(), self._shards)
             except OSError as error:
                 log.warning("node %d: commit rename failed: %s", self.node_id, error)
-                self._bytes_used -= entry.file_bytes
+                self._bytes_used -= entry.disk_bytes
                 results.append(False)
                 continue
             old = self._committed.get(key)
             if old is not None:
-                self._bytes_used -= old.file_bytes
+                self._bytes_used -= old.disk_bytes
                 self._drop_cached(key)
             self._committed[key] = entry
             self._counters["commits"] += 1
@@ -344,8 +392,8 @@ class StorageNode:
             entry = self._pending.pop((key, token), None)
             if entry is None:
                 continue
-            _unlink(self._pending_path(key, token))
-            self._bytes_used -= entry.file_bytes
+            self._pending_dir.remove(_pending_name(key, token))
+            self._bytes_used -= entry.disk_bytes
             dropped += 1
         return dropped
 
@@ -379,8 +427,7 @@ class StorageNode:
                 out.append(None)
                 continue
             try:
-                with open(self._shard_path(key), "rb", buffering=0) as handle:
-                    data = handle.read()
+                data = self._shards.read(key.hex())
             except FileNotFoundError:
                 # Deleted behind our back: the next scrub reports it, so repair re-creates it
                 # (forgetting it silently would leave the stripe at 11 shards for good).
@@ -426,7 +473,7 @@ class StorageNode:
                 continue
             if not_after is not None and entry.created > not_after:
                 continue
-            _unlink(self._shard_path(key))
+            self._shards.remove(key.hex())
             self._forget(key)
             deleted += 1
         self._counters["deletes"] += deleted
@@ -435,7 +482,7 @@ class StorageNode:
     def _forget(self, key: bytes) -> None:
         entry = self._committed.pop(key, None)
         if entry is not None:
-            self._bytes_used -= entry.file_bytes
+            self._bytes_used -= entry.disk_bytes
         self._drop_cached(key)
 
     def ping(self) -> int:
@@ -456,10 +503,17 @@ class StorageNode:
         return [bytes(key) in self._committed for key in keys]
 
     def usage(self) -> dict[str, int]:
+        """Disk bytes held and capacity. Nodes on one filesystem share its headroom: sum
+        replies with ``capacity.tier_usage``, which counts each ``filesystem`` once."""
+        headroom = self._disk.headroom(self._root.fd)
+        explicit = self.config.capacity_bytes
         return {
             "node_id": self.node_id,
             "bytes_used": self._bytes_used,
-            "capacity_bytes": self.config.capacity_bytes,
+            "capacity_bytes": explicit if explicit is not None else self._bytes_used + headroom,
+            "capacity_from_disk": int(explicit is None),
+            "filesystem": self._disk.filesystem,
+            "headroom_bytes": headroom,
             "shards": len(self._committed),
             "pending": len(self._pending),
         }
@@ -495,17 +549,18 @@ class StorageNode:
     def snapshot(self) -> int:
         """Write the manifest snapshot (temp file + rename); returns the entries written."""
         table = self.manifest()
-        path = self._root / "manifest.arrow"
-        temporary = path.with_suffix(".arrow.tmp")
-        with ipc.new_file(str(temporary), table.schema) as writer:
-            writer.write_table(table)
-        if self.config.fsync == "always":
-            fd = os.open(temporary, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        os.replace(temporary, path)
+        temporary = f"{_MANIFEST}.tmp"
+        try:
+            with os.fdopen(self._root.create(temporary), "wb") as sink:
+                with ipc.new_file(sink, table.schema) as writer:
+                    writer.write_table(table)
+                sink.flush()
+                if self.config.fsync == "always":
+                    os.fsync(sink.fileno())
+            self._root.replace(temporary, _MANIFEST)
+        except BaseException:
+            self._root.remove(temporary)
+            raise
         return table.num_rows
 
     # --- scrub and orphans -----------------------------------------------------------------
@@ -527,17 +582,16 @@ class StorageNode:
         self._scrub_cursor = start + len(chosen)
         for key in chosen:
             entry = self._committed[key]
-            path = self._shard_path(key)
+            name = key.hex()
             try:
-                with open(path, "rb", buffering=0) as handle:
-                    data = handle.read()
+                data = self._shards.read(name)
                 parse_node_header(data)
                 shard = parse_shard(memoryview(data)[NODE_HEADER_BYTES:])
                 if shard.key != key or shard.index != entry.shard_index:
                     raise CorruptShard("shard names another block or stripe position")
             except (OSError, CorruptShard) as error:
-                log.warning("node %d: scrub found %s corrupt: %s", self.node_id, path, error)
-                self._to_quarantine(path)
+                log.warning("node %d: scrub found %s corrupt: %s", self.node_id, name, error)
+                self._to_quarantine(self._shards, name)
                 self._forget(key)
                 corrupt.append((key, entry.shard_index))
         self._counters["corrupt_found"] += len(corrupt)
@@ -573,7 +627,7 @@ class StorageNode:
             for key, used in zip(chunk, answers, strict=True):
                 entry = self._committed.get(key)
                 if not used and entry is not None and entry.stamp < cutoff:
-                    _unlink(self._shard_path(key))
+                    self._shards.remove(key.hex())
                     self._forget(key)
                     deleted += 1
         self._counters["orphans_reclaimed"] += deleted + len(stale_pending)
@@ -581,17 +635,27 @@ class StorageNode:
 
     # --- paths -----------------------------------------------------------------------------
 
-    def _shard_path(self, key: bytes) -> Path:
-        return self._shards / key.hex()
-
-    def _pending_path(self, key: bytes, token: int) -> Path:
-        return self._pending_dir / f"{key.hex()}.{token:016x}"
-
-    def _to_quarantine(self, path: Path) -> None:
+    def _to_quarantine(self, directory: PrivateDir, name: str) -> None:
         try:
-            os.replace(path, self._quarantine / f"{path.name}.{int(self._clock.now())}")
+            directory.replace(name, f"{name}.{int(self._clock.now())}", self._quarantine)
         except OSError:
-            _unlink(path)
+            directory.remove(name)
+
+
+def _pending_name(key: bytes, token: int) -> str:
+    return f"{key.hex()}.{token:016x}"
+
+
+def _regular_files(directory: PrivateDir) -> list[tuple[os.DirEntry[str], os.stat_result]]:
+    """The regular files in ``directory`` with their lstat, made 0600 where an older version
+    left them looser; anything else (a symlink, a directory) is no shard and is left alone."""
+    found = []
+    for entry in directory.entries():
+        status = entry.stat(follow_symlinks=False)
+        if stat.S_ISREG(status.st_mode):
+            directory.tighten(entry.name, status)
+            found.append((entry, status))
+    return found
 
 
 def _key_from_name(name: str) -> bytes | None:
@@ -614,32 +678,10 @@ def _pending_from_name(name: str) -> tuple[bytes, int] | None:
         return None
 
 
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
+def _syncfs(fd: int) -> None:
+    """Flush the filesystem holding directory ``fd`` (Linux ``syncfs``); its fsync elsewhere."""
+    if _LIBC is None or _LIBC.syncfs(fd) != 0:
         os.fsync(fd)
-    except OSError as error:  # some filesystems refuse fsync on directories
-        if error.errno not in (errno.EINVAL, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _syncfs(path: Path) -> None:
-    """Flush the filesystem holding ``path`` (Linux ``syncfs``); per-dir fsync elsewhere."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if _LIBC is None or _LIBC.syncfs(fd) != 0:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _load_libc() -> ctypes.CDLL | None:
@@ -652,16 +694,6 @@ def _load_libc() -> ctypes.CDLL | None:
 
 
 _LIBC = _load_libc()
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    temporary = path.with_suffix(".tmp")
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    _fsync_dir(path.parent)
 
 
 def split_files(batch: tuple[np.ndarray, np.ndarray]) -> list[np.ndarray | None]:

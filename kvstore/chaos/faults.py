@@ -43,6 +43,12 @@ def kill_node(tier: ChaosTier, node_id: int, *, restart: bool) -> float:
     return time.monotonic()
 
 
+def kill_nodes(tier: ChaosTier, node_ids: Sequence[int], *, restart: bool) -> float:
+    """Kill storage nodes' processes at once; returns the time the last was gone (monotonic)."""
+    tier.handles.kill_nodes(node_ids, restart=restart)
+    return time.monotonic()
+
+
 def crash_machine(tier: ChaosTier, machine: str) -> float:
     """Kill every process of ``machine`` at once (no graceful shutdown)."""
     if machine not in tier.owned:

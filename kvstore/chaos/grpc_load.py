@@ -22,6 +22,7 @@ import numpy as np
 
 from kvstore.api.client import KVStoreClient
 from kvstore.errors import InvalidArgument
+from kvstore.geometry import GeometryConfig
 from kvstore.keys import BlockKey
 from kvstore.tier.records import HitRequest
 
@@ -33,7 +34,8 @@ class GrpcLoadConfig:
     clients: int = 8
     seconds: float = 5.0
     max_requests_per_client: int = 5_000
-    block_bytes: int = 16_384
+    #: The served model's block size (the gateway refuses any other payload size).
+    block_bytes: int = GeometryConfig.default().block_bytes
     blocks_per_client: int = 8
     token: str | None = None
     timeout_s: float = 30.0

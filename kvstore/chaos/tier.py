@@ -459,6 +459,11 @@ class ChaosTier:
 
     # --- control -----------------------------------------------------------------------------
 
+    def repair_barrier(self) -> None:
+        """Run one repair cycle and wait for it: it waits for the loop's lock, so a step that
+        was under way (reading shards while a node now dead still served) has finished."""
+        ray.get(self._repair().tick.remote(), timeout=self.config.call_timeout_s * 10)
+
     def pause_repair(self, paused: bool) -> None:
         ray.get(self._repair().pause.remote(paused), timeout=self.config.call_timeout_s)
 

@@ -22,27 +22,44 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help=f"gateway address printed by `kvstore up` (default {DEFAULT_SERVER})",
     )
-    group.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    group.add_argument("--token-file", type=Path, help="file holding the bearer token (mode 0600)")
     group.add_argument("--tls-root-cert", type=Path, help="PEM root certificate for TLS")
+    group.add_argument(
+        "--tls-client-cert",
+        type=Path,
+        help="PEM client certificate, for a gateway that requires mutual TLS (with "
+        "--tls-client-key and --tls-root-cert)",
+    )
+    group.add_argument("--tls-client-key", type=Path, help="PEM key of --tls-client-cert")
     group.add_argument("--timeout", type=float, default=30.0, help="seconds per call (default 30)")
 
 
 def connect(args: argparse.Namespace) -> Any:
     from kvstore.api.client import KVStoreClient
+    from kvstore.api.server import read_token_file
+    from kvstore.errors import ConfigError
 
     token = None
     if args.token_file is not None:
         try:
-            token = args.token_file.read_text().strip()
-        except OSError as error:
-            raise InvalidArgument(
-                "--token-file", f"cannot read {args.token_file}: {error}"
-            ) from None
+            token = read_token_file(args.token_file)  # refused if others may read it
+        except ConfigError as error:
+            raise InvalidArgument("--token-file", error.detail) from None
     if args.timeout <= 0:
         raise InvalidArgument("--timeout", f"must be > 0, got {args.timeout}")
-    return KVStoreClient(
-        args.server, token=token, tls_root_cert=args.tls_root_cert, timeout_s=args.timeout
-    )
+    try:
+        return KVStoreClient(
+            args.server,
+            token=token,
+            tls_root_cert=args.tls_root_cert,
+            timeout_s=args.timeout,
+            tls_client_cert=args.tls_client_cert,
+            tls_client_key=args.tls_client_key,
+        )
+    except InvalidArgument as error:
+        raise InvalidArgument(f"--{error.argument.replace('_', '-')}", error.detail) from None
+    except OSError as error:
+        raise InvalidArgument("--tls-root-cert", f"cannot read a TLS file: {error}") from None
 
 
 def rpc_error(error: grpc.RpcError, server: str) -> StoreError:

@@ -25,7 +25,14 @@ exits 1 if any could not be stored.
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_client_arguments(parser)
-    parser.add_argument("files", nargs="+", type=Path, metavar="FILE", help="files to store")
+    parser.add_argument(
+        "files",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="files to store, each exactly one block of the served model (block_bytes in "
+        "`kvstore geometry`; any other size is refused)",
+    )
     parser.add_argument("--key", help=f"the block key as {KEY_BYTES * 2} hex digits (one file)")
     parser.add_argument("--class", dest="traffic_class", default="", help="traffic class")
     parser.add_argument("--json", action="store_true", help="print JSON")

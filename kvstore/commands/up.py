@@ -10,10 +10,11 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from kvstore.api.server import ServerOptions, read_token_file
+from kvstore.api.server import ServerOptions, is_loopback, read_token_file
 from kvstore.config import ServiceConfig
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.geometry import PRESET_NAMES
+from kvstore.tenants import TenantDirectory
 
 NAME = "up"
 HELP = "start or join a Ray cluster, deploy kvstore and serve its gRPC API (Ctrl-C stops)"
@@ -21,13 +22,19 @@ DESCRIPTION = """Deploy kvstore on Ray and serve the kvstore.v1 gRPC API until C
 12+ storage nodes (10+2 erasure coding, shard files under --data-dir), meta shards, repair,
 the SWA tier (a state store per machine + the entrypoint directory) and the GC worker.
 
-Without --address an embedded local Ray cluster is started (loopback only); --address HOST:PORT
-(or "auto") joins an existing one. The gateway binds 127.0.0.1 unless --host says otherwise;
-expose it beyond loopback only with --token-file (bearer token) and TLS.
+Without --address an embedded local Ray cluster is started (loopback only, Ray token auth
+on); --address HOST:PORT (or "auto") joins an existing one. The gateway binds 127.0.0.1 unless
+--host says otherwise, and beyond loopback it refuses to start without TLS and an identity
+(--tokens-file, --token-file or --tls-client-ca) unless --insecure is given.
+
+Tenants: with --tokens-file every token maps to a tenant whose keys live in a namespace of its
+own (derived from the secret in --tenant-secret-file), with the quotas and traffic classes the
+file gives it; the file is reread when it changes (rotate tokens without a restart). See the
+README's "Security model".
 
   kvstore up                                   # embedded cluster, 127.0.0.1:50051
-  kvstore up --port 0 --metrics-port 9464      # any free port; Prometheus on 9464
-  kvstore up --address auto --host 0.0.0.0 --token-file /etc/kvstore/token \\
+  kvstore up --port 0 --metrics-port 9464      # any free port; Prometheus on 127.0.0.1:9464
+  kvstore up --address auto --host 0.0.0.0 --tokens-file /etc/kvstore/tokens.toml \\
              --tls-cert server.pem --tls-key server.key
 
 Restarting on the same --data-dir serves every committed block again.
@@ -59,29 +66,88 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fsync", choices=["always", "batch", "never"], help="shard fsync policy (default batch)"
     )
-    parser.add_argument("--token-file", type=Path, help="require this bearer token")
+    parser.add_argument(
+        "--tokens-file",
+        type=Path,
+        help="tenants: a TOML file of tokens, quotas and classes per tenant (mode 0600; "
+        "reread when it changes)",
+    )
+    parser.add_argument(
+        "--token-file", type=Path, help="one bearer token (mode 0600) for a single tenant"
+    )
+    parser.add_argument(
+        "--tenant-secret-file",
+        type=Path,
+        help="secret the tenants' namespaces come from (made 0600 if absent; default "
+        "DATA_DIR/tenant.secret): keep it, or every cached block is unreachable",
+    )
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
     parser.add_argument("--tls-key", type=Path, help="PEM private key (with --tls-cert)")
+    parser.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="require client certificates signed by this CA (mutual TLS); a certificate's "
+        "common name is an identity (subjects in the tokens file)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve beyond loopback without TLS or without an identity (not advised)",
+    )
+    parser.add_argument(
+        "--capacity-bytes",
+        type=int,
+        help="block bytes each storage node may hold (default: from its filesystem's size, "
+        "less a reserve, shared filesystems counted once)",
+    )
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="metrics bind address (default loopback: the figures describe every tenant)",
+    )
     parser.add_argument("--no-gc", action="store_true", help="do not start the GC worker")
 
 
 def _options(args: argparse.Namespace) -> ServerOptions:
-    token = read_token_file(args.token_file) if args.token_file is not None else None
-    for flag in ("tls_cert", "tls_key"):
+    for flag in ("tls_cert", "tls_key", "tls_client_ca", "tokens_file"):
         path = getattr(args, flag)
         if path is not None and not path.is_file():
             raise InvalidArgument(f"--{flag.replace('_', '-')}", f"{path} is not a file")
     try:
+        token = read_token_file(args.token_file) if args.token_file is not None else None
         return ServerOptions(
             host=args.host,
             port=args.port,
             token=token,
+            tokens_file=args.tokens_file,
+            tenant_secret_file=args.tenant_secret_file or args.data_dir / "tenant.secret",
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            insecure=args.insecure,
         )
     except ConfigError as error:
-        raise InvalidArgument(f"--{error.field.replace('_', '-')}", str(error)) from None
+        raise InvalidArgument(f"--{error.field.replace('_', '-')}", error.detail) from None
+
+
+def _tenants(options: ServerOptions, data_dir: Path, classes: tuple[str, ...]) -> TenantDirectory:
+    """The tenants, read before Ray starts (a bad tokens file costs no cluster); every class
+    a tenant is given must be one the GC policy knows."""
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        directory = options.tenant_directory()
+    except ConfigError as error:
+        raise InvalidArgument(f"--{error.field.replace('_', '-')}", error.detail) from None
+    for tenant in directory.tenants().values():
+        unknown = sorted(set(tenant.classes or ()) - set(classes))
+        if unknown:
+            raise InvalidArgument(
+                "--tokens-file",
+                f"tenant {tenant.name!r} is given class {unknown[0]!r}, which the GC policy "
+                f"does not know ({', '.join(classes)})",
+            )
+    return directory
 
 
 def meta_shards_for(cpus: int) -> int:
@@ -107,11 +173,14 @@ def run(args: argparse.Namespace) -> int:
             fsync=args.fsync,
             preset=args.preset,
             run_gc=not args.no_gc,
+            node_capacity_bytes=args.capacity_bytes,
         )
     except ConfigError as error:
-        flag = f"--{error.field.replace('_', '-')}"
-        name = flag if hasattr(args, error.field) else error.field
+        field = "capacity_bytes" if error.field == "node_capacity_bytes" else error.field
+        flag = f"--{field.replace('_', '-')}"
+        name = flag if hasattr(args, field) else error.field
         raise InvalidArgument(name, error.detail) from None
+    tenants = _tenants(options, args.data_dir, config.blockstore.traffic_classes)
     connect(args.address)
     if args.meta_shards is None:
         blocks = config.blockstore.with_overrides(meta_shards=meta_shards_for(cluster_cpus()))
@@ -129,12 +198,35 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        gateway = Gateway(service.tier, options, args.metrics_port)
+        gateway = Gateway(
+            service.tier, options, args.metrics_port, args.metrics_host, tenants=tenants
+        )
         try:
-            scheme = "TLS" if options.tls_cert else "plaintext"
-            print(f"kvstore: serving kvstore.v1.KVStore on {gateway.address} ({scheme})")
+            scheme = (
+                "mutual TLS"
+                if options.tls_client_ca
+                else "TLS"
+                if options.tls_cert
+                else ("plaintext")
+            )
+            who = (
+                f"{len(tenants.tenants())} tenant(s) from {options.tokens_file}"
+                if options.tokens_file
+                else "one bearer token"
+                if options.token
+                else "no identity: every caller is the default tenant"
+            )
+            print(f"kvstore: serving kvstore.v1.KVStore on {gateway.address} ({scheme}; {who})")
+            if not is_loopback(options.host) and options.insecure:
+                print(
+                    "kvstore: WARNING --insecure: reachable beyond loopback without TLS or "
+                    "without an identity",
+                    file=sys.stderr,
+                )
             if gateway.metrics_port is not None:
-                print(f"kvstore: metrics on http://{options.host}:{gateway.metrics_port}/metrics")
+                print(
+                    f"kvstore: metrics on http://{args.metrics_host}:{gateway.metrics_port}/metrics"
+                )
             print("kvstore: Ctrl-C to stop", flush=True)
             stop.wait()
             print("kvstore: stopping ...", file=sys.stderr)

@@ -37,6 +37,7 @@ from typing import TypeVar
 import numpy as np
 
 from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls, meta_target, node_target
+from kvstore.blockstore.capacity import tier_usage
 from kvstore.blockstore.fanout import Fanout, Ticket, gather
 from kvstore.blockstore.records import RemovedBlock
 from kvstore.clock import Clock
@@ -222,16 +223,13 @@ class GCWorker:
             shards = still_full
 
     def _usage(self, report: PassReport) -> tuple[int, int] | None:
+        """(disk bytes held, capacity) of the nodes that answered: a filesystem that several
+        nodes share counts its free space once (``capacity.tier_usage``)."""
         tickets = [
             self._fanout.submit(node_target(node), StorageNodeCalls.usage) for node in self._nodes
         ]
-        used = capacity = 0
-        answered = 0
-        for _, outcome in self._answers(tickets, report):
-            used += int(outcome["bytes_used"])
-            capacity += int(outcome["capacity_bytes"])
-            answered += 1
-        return (used, capacity) if answered else None
+        replies = [outcome for _, outcome in self._answers(tickets, report)]
+        return tier_usage(replies) if replies else None
 
     def _evict(self, now: float, report: PassReport) -> None:
         usage = self._usage(report)

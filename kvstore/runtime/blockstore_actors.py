@@ -37,7 +37,7 @@ from kvstore.blockstore.repair import HealthTracker, Repairer, RepairLoop
 from kvstore.errors import StoreError
 from kvstore.keys import BlockKey
 from kvstore.runtime.fanout import RayFanout
-from kvstore.runtime.fastcall import FastCallServer
+from kvstore.runtime.fastcall import FastCallServer, tls_env_options, tls_from_env
 
 log = logging.getLogger(__name__)
 
@@ -189,12 +189,14 @@ class MetaShardActor:
         self._node_ids = list(node_ids)
         self._lock = threading.Lock()
         self._rebuild_report: dict[str, object] = {}
-        # Lookups, the hot path, also come over a direct socket (see kvstore.runtime.fastcall).
+        # Lookups, the hot path, also come over a direct socket (see kvstore.runtime.fastcall),
+        # in TLS where the operator set it (the environment deploy handed on: actor_options).
         self._fast = FastCallServer(
             self._meta,
             [method.__name__ for method in FAST_META_METHODS],
             self._lock,
             ray.util.get_node_ip_address(),
+            tls=tls_from_env(serving=True)[0],
         )
         self._start_rebuild()
 
@@ -402,13 +404,16 @@ class RepairActor:
 
 
 def actor_options(name: str, **extra: Any) -> dict[str, Any]:
-    """Options every block tier actor shares (MEASURED.md: task events off, no CPU held)."""
+    """Options every block tier actor shares (MEASURED.md: task events off, no CPU held), and
+    the fastcall TLS setting of the deploying process (a Ray worker does not inherit its
+    environment)."""
     options: dict[str, Any] = {
         "name": name,
         "num_cpus": 0,
         "enable_task_events": False,
         "max_restarts": -1,
         "max_task_retries": 0,
+        **tls_env_options(),
     }
     options.update(extra)
     return options

@@ -5,6 +5,23 @@ and talks over the external address even with a 127.0.0.1 node address; what kee
 127.0.0.1 is ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in the environment of every Ray process plus
 node ip 127.0.0.1 (see MEASURED.md). We set those variables before any Ray process starts.
 
+Ray's token authentication is on for every cluster kvstore starts and required of every cluster it
+joins: without it anyone who reaches the GCS port runs code as the service user and reads the keys
+kvstore hands out through Ray (the fastcall socket keys). Ray 2.60 reads the mode from
+``RAY_AUTH_MODE`` and the token from ``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``,
+else ``~/.ray/auth_token``, in every process (GCS, raylets, workers, drivers), so what we decide
+goes into this process's environment before any Ray process starts and every child inherits it:
+
+- a cluster we start (``connect(None)``, ``LocalCluster``) uses the token the environment names,
+  else kvstore's own file ``~/.kvstore/ray_auth_token`` (0600 in a 0700 directory, made on first
+  use; ``RAY_AUTH_TOKEN_PATH`` is pointed at it), with token mode switched on the way
+  ``ray.init()`` does it for a new local cluster;
+- joining (``connect(address)``) takes the token from Ray's own sources, else kvstore's file, and
+  asks the GCS first: a cluster that answers without a token, or refuses ours, is a one-line
+  ``ConfigError`` instead of ``ray.init``'s 20 s of retries.
+
+An environment that sets ``RAY_AUTH_MODE`` to anything but ``token`` is refused, not obeyed.
+
 A *machine* of ``LocalCluster`` is one Ray worker node (its own raylet and object store) standing
 for one failure domain. Each carries a custom resource named after its stable machine id, so an
 actor can be pinned to it (``pin_to_machine``) and a machine restarted under the same id gets its
@@ -15,7 +32,11 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import stat
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -33,10 +54,15 @@ _MIB = 1024 * 1024
 #: Environment every Ray process of ours must see (inherited by raylets and workers).
 RAY_LOOPBACK_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_AUTH_MODE": "disabled",
     # No usage-stats prompt or upload attempt from tests and demos (there is no network).
     "RAY_USAGE_STATS_ENABLED": "0",
 }
+
+#: Where Ray takes the cluster token from, first set wins: the token itself, then a file.
+RAY_TOKEN_ENV = "RAY_AUTH_TOKEN"
+RAY_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+#: How long the GCS may take to answer the auth probe before ``ray.init`` is left to judge.
+_PROBE_TIMEOUT_S = 5.0
 
 
 def _apply_loopback_env() -> None:
@@ -49,6 +75,174 @@ def _apply_loopback_env() -> None:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def kvstore_token_path() -> Path:
+    """kvstore's own Ray token file, for the clusters it starts when the environment names none."""
+    return Path.home() / ".kvstore" / "ray_auth_token"
+
+
+def _ensure_token_file(path: Path) -> Path:
+    """``path`` holding a token only this user can read; made (random, 256 bits) if missing."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not path.exists():
+        # Written whole under a private name (mkstemp: 0600), then linked into place: no reader
+        # sees a half-written token, and of two processes starting at once the first one wins.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_hex(32))
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+        finally:
+            os.unlink(tmp)
+    info = path.lstat()
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ConfigError(
+            str(path), "the Ray token file must be this user's own, mode 0600 (chmod 600 it)"
+        )
+    if info.st_size == 0:
+        # Ray aborts the process on an empty RAY_AUTH_TOKEN_PATH; say which file instead.
+        raise ConfigError(str(path), "the Ray token file is empty (delete it to get a new one)")
+    return path
+
+
+def _raylet() -> Any:
+    """``ray._raylet``, whose type stub declares none of its auth API (the token loader, Config)."""
+    from ray import _raylet
+
+    return _raylet
+
+
+def _point_ray_at(path: Path) -> None:
+    os.environ[RAY_TOKEN_PATH_ENV] = str(path)
+    # The loader keeps the first token it found; this process may have asked before.
+    _raylet().AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _token_for_own_cluster() -> Path | None:
+    """Make sure a cluster we start has a token; the file it is in (None: ``RAY_AUTH_TOKEN``)."""
+    if os.environ.get(RAY_TOKEN_ENV):
+        return None
+    named = os.environ.get(RAY_TOKEN_PATH_ENV)
+    if named:
+        return Path(named)
+    path = _ensure_token_file(kvstore_token_path())
+    _point_ray_at(path)
+    return path
+
+
+def _require_token_auth() -> None:
+    """Token mode on for this process and every Ray process it starts (refused if turned off)."""
+    from ray._private.authentication import authentication_token_setup as ray_auth
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    # The switch ray.init() itself throws for a new local cluster: token mode unless the
+    # environment chose. Its log line tells the user how to opt out, which kvstore refuses.
+    quiet = logging.getLogger(ray_auth.__name__)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        enabled = ray_auth.enable_token_auth_by_default()
+    finally:
+        quiet.setLevel(level)
+    if not enabled:
+        name = ray_auth.AUTH_MODE_ENV_VAR
+        raise ConfigError(
+            name,
+            f"is {os.environ.get(name)!r}: kvstore starts and joins Ray only with token "
+            "authentication (unset it, or set it to token)",
+        )
+    if not is_token_auth_enabled():
+        # The variable was set after Ray read its config (it reads it once): read it again.
+        _raylet().Config.initialize("")
+
+
+def _token_source() -> str | None:
+    """Where Ray will take this process's token from, in Ray's order (None: nowhere).
+
+    Decided here, not by asking Ray's loader: it raises the same error for "no token anywhere"
+    as for "the named file cannot be read", and only the first has a fallback."""
+    if os.environ.get(RAY_TOKEN_ENV):
+        return RAY_TOKEN_ENV
+    named = os.environ.get(RAY_TOKEN_PATH_ENV)
+    if named:
+        try:
+            readable = bool(Path(named).read_text().strip())
+        except OSError:
+            readable = False
+        if not readable:
+            raise ConfigError(RAY_TOKEN_PATH_ENV, f"{named} cannot be read or is empty")
+        return f"{RAY_TOKEN_PATH_ENV}={named}"
+    default = Path.home() / ".ray" / "auth_token"
+    return "~/.ray/auth_token" if default.is_file() else None
+
+
+def _gcs_channel(gcs: str) -> Any:
+    import grpc
+
+    # The channel Ray's own clients open (ray._private.grpc_utils.init_grpc_channel: TLS when
+    # RAY_USE_TLS says so) minus its token interceptor: one probe must go without the token.
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        from ray._common.tls_utils import load_certs_from_env
+
+        chain, key, ca = load_certs_from_env()
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=chain
+        )
+        return grpc.secure_channel(gcs, credentials)
+    return grpc.insecure_channel(gcs)
+
+
+def _gcs_accepts(gcs: str, metadata: tuple[tuple[str, str], ...]) -> bool | None:
+    """Whether the GCS at ``gcs`` answers a call carrying ``metadata``: True, False (refused as
+    unauthenticated) or None (no verdict: unreachable or slow; ``ray.init`` reports that)."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with _gcs_channel(gcs) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            request = gcs_service_pb2.GetClusterIdRequest()  # type: ignore[attr-defined]
+            stub.GetClusterId(request, metadata=metadata, timeout=_PROBE_TIMEOUT_S)
+        except grpc.RpcError as error:
+            return False if error.code() == grpc.StatusCode.UNAUTHENTICATED else None
+    return True
+
+
+def _check_cluster_auth(address: str) -> None:
+    """Before joining ``address``: a token to join with, and a GCS that wants it and takes it.
+    (``ray.init`` would retry a refused token for 20 s, logging a line a second.)"""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    source = _token_source()
+    if source is None:
+        own = kvstore_token_path()
+        if not own.exists():
+            raise ConfigError(
+                "ray token",
+                f"none to join {address} with: set {RAY_TOKEN_PATH_ENV} to a file holding the "
+                f"cluster's token (`ray get-auth-token` on its head prints it), or {RAY_TOKEN_ENV}",
+            )
+        _point_ray_at(_ensure_token_file(own))  # a cluster kvstore started for this user
+        source = str(own)
+    try:
+        gcs = canonicalize_bootstrap_address(address)
+    except ValueError as error:
+        raise InvalidArgument("address", str(error)) from None
+    if gcs is None:
+        return  # "auto" found no cluster: ray.init says so
+    if _gcs_accepts(gcs, ()):
+        raise ConfigError(
+            "ray token",
+            f"the Ray cluster at {gcs} accepts callers without a token: kvstore joins only "
+            "clusters whose every node runs with RAY_AUTH_MODE=token",
+        )
+    header = _raylet().AuthenticationTokenLoader.instance().get_token_for_http_header()
+    if _gcs_accepts(gcs, tuple(header.items())) is False:
+        raise ConfigError("ray token", f"the Ray cluster at {gcs} refused the token from {source}")
 
 
 def machine_resource(machine_id: str) -> str:
@@ -151,6 +345,8 @@ def connect(
         return
     _apply_loopback_env()
     if address is None:
+        _token_for_own_cluster()
+        _require_token_auth()
         config = config or LocalClusterConfig()
         ray.init(
             # "local": always start our own instance. Without it ray.init joins whatever
@@ -165,15 +361,21 @@ def connect(
             _system_config=config.system_config(),
         )
     else:
+        _require_token_auth()
+        _check_cluster_auth(address)
         ray.init(address=address, namespace=namespace, log_to_driver=False)
 
 
 class LocalCluster:
     """A head (no CPUs) plus N worker nodes on this host, each standing for one machine."""
 
-    def __init__(self, cluster: Cluster, config: LocalClusterConfig) -> None:
+    def __init__(
+        self, cluster: Cluster, config: LocalClusterConfig, token_path: Path | None = None
+    ) -> None:
         self._cluster = cluster
         self._config = config
+        #: The file holding the cluster's Ray token (None: given as RAY_AUTH_TOKEN).
+        self.token_path = token_path
         self._nodes: dict[str, Any] = {}  # machine id -> ray._private.node.Node
         self._next_index = 0
 
@@ -188,6 +390,9 @@ class LocalCluster:
             )
         config = config or LocalClusterConfig()
         _apply_loopback_env()
+        # ray.cluster_utils.Cluster starts the processes itself, without ray.init's auth set-up.
+        token_path = _token_for_own_cluster()
+        _require_token_auth()
         cluster = Cluster(
             initialize_head=True,
             connect=False,
@@ -199,7 +404,7 @@ class LocalCluster:
                 "_system_config": config.system_config(),
             },
         )
-        local = cls(cluster, config)
+        local = cls(cluster, config, token_path)
         try:
             ray.init(
                 address=cluster.address,

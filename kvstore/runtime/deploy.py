@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,15 +105,22 @@ class BlockStoreHandles:
             time.sleep(0.05)
 
     def kill_node(self, node_id: int, restart: bool) -> None:
-        """Crash a storage node: ``restart=True`` lets Ray start it again on its data dir.
+        """Crash a storage node: ``restart=True`` lets Ray start it again on its data dir."""
+        self.kill_nodes([node_id], restart)
 
-        Where its data dir is visible from here, returns only once its process is gone (its
+    def kill_nodes(self, node_ids: Sequence[int], restart: bool) -> None:
+        """Crash storage nodes all at once (every ``ray.kill`` sent before waiting for any), so
+        the repair loop never sees some dead while the others still serve their shards.
+
+        Where a data dir is visible from here, returns only once its process is gone (its
         ``LIVE`` lock released): ``ray.kill`` is asynchronous, and until then clients on this
         machine could still read its files directly (``localread.py``)."""
-        live = open_live(node_data_dir(self.config, node_id))
-        ray.kill(self.nodes[node_id], no_restart=not restart)
-        if live is not None and not wait_unlocked(live, _KILL_TIMEOUT_S):
-            log.warning("storage node %d still holds its data dir after ray.kill", node_id)
+        lives = {node_id: open_live(node_data_dir(self.config, node_id)) for node_id in node_ids}
+        for node_id in node_ids:
+            ray.kill(self.nodes[node_id], no_restart=not restart)
+        for node_id, live in lives.items():
+            if live is not None and not wait_unlocked(live, _KILL_TIMEOUT_S):
+                log.warning("storage node %d still holds its data dir after ray.kill", node_id)
 
     def kill_meta(self, shard_id: int, restart: bool = True) -> None:
         ray.kill(self.metas[shard_id], no_restart=not restart)

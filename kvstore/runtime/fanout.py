@@ -32,7 +32,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from multiprocessing.connection import Connection
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import ray
@@ -44,7 +43,9 @@ from kvstore.runtime.fastcall import (
     HANDSHAKE_TIMEOUT_S,
     FastChannel,
     FastChannels,
+    FastConnection,
     RemoteError,
+    tls_from_env,
     wait_ready,
 )
 
@@ -74,7 +75,8 @@ class RayFanout:
         self._handles: dict[Target[Any], Any] = dict(handles)
         self._resolve = resolve
         self._fast_methods = frozenset(fast_methods)
-        self._fast = FastChannels()
+        # TLS where the operator set it (the same variables every process of the cluster reads).
+        self._fast = FastChannels(tls=tls_from_env()[1])
 
     def handle(self, target: Target[Any]) -> Any:
         handle = self._handles.get(target)
@@ -246,7 +248,7 @@ class RayFanout:
             self._via_ray_instead(call)
 
     def _wait_fast(self, calls: list[_Call[Any]], timeout: float) -> None:
-        by_conn: dict[Connection, _Call[Any]] = {}
+        by_conn: dict[FastConnection, _Call[Any]] = {}
         for call in calls:
             assert call.conn is not None
             by_conn[call.conn] = call
@@ -316,7 +318,7 @@ class _Call(Ticket[R]):
         self.args = args
         self.kwargs = kwargs
         self.channel: FastChannel | None = None
-        self.conn: Connection | None = None
+        self.conn: FastConnection | None = None
         self.ref: Any = None
         self.ray_done = False
         self.outcome: tuple[bool, Any] | None = None

@@ -5,10 +5,36 @@ call cost ~1.5 ms of CPU on this kind of machine, caller and actor together (sub
 dispatch, serialisation, output store; measured while profiling QueryHit), and a QueryHit makes
 one per meta shard and one per directory shard. The calls on the hit path (a meta shard's
 ``lookup_wire``, an entrypoint's ``lookup``) go instead over a plain socket to a thread in the
-actor's process:
-``multiprocessing.connection`` (length-prefixed pickles), HMAC-authenticated with a key the actor
-makes at start and hands out only through Ray (a nonce-challenge handshake: the key never crosses
-the wire). A round trip costs tens of microseconds.
+actor's process. A round trip costs tens of microseconds.
+
+What crosses the socket, and why it is safe to listen:
+
+- **Frames**: a 4-byte big-endian length, then that many bytes; a frame is refused (the peer
+  dropped) before it is read when it is longer than the side expects: a handshake message's
+  exact size before the peer is authenticated, ``frame_limit`` after.
+- **Values** are ``kvstore.wire`` encodings, which build data and never run code (pickle, the
+  format before, ran whatever a frame named, in the actor and in the gateway). A call is
+  ``(method, args)``, a reply ``(True, value)`` or ``(False, "Type: message")``.
+- **A mutual challenge** on a key the actor makes at start and hands out only through Ray (it
+  never crosses the socket)::
+
+      server -> client   MAGIC + Ns                  (a fresh 32-byte nonce)
+      client -> server   Nc + HMAC(key, "<MAGIC> client" + Ns + Nc + "host:port")
+      server -> client        HMAC(key, "<MAGIC> server" + Ns + Nc + "host:port")
+
+  Each side checks the other's proof (``hmac.compare_digest``) and hangs up on a wrong one; a
+  client raises ``PermissionError``. Both nonces make a proof good for one connection only, the
+  role label keeps one side's proof from passing as the other's, and the endpoint the client
+  dialed (the one the actor handed out) binds it to that address: an impostor on a port a
+  restarted actor freed cannot relay the handshake to the actor's new port.
+- **Bounded handshakes**: at most ``MAX_HANDSHAKES`` peers are being authenticated at once (one
+  thread each; more are closed at once: the caller goes through Ray), each within
+  ``HANDSHAKE_TIMEOUT_S`` from its accept, however slowly it sends.
+- **TLS** (``ServerTLS``/``ClientTLS``, off by default: on loopback it buys nothing) wraps the
+  socket before the challenge, for calls between machines: without it, a machine in the path
+  could still read or alter the frames of a connection after its handshake. An operator turns
+  it on through the environment (``tls_from_env``), the same in every process of the cluster;
+  deploy hands the setting on to the actors it starts (``tls_env_options``).
 
 Failure semantics match Ray's as the callers see them: a dead or restarted actor closes its
 sockets, the caller's call fails (``NodeUnavailable`` in ``RayFanout``), the stale endpoint is
@@ -17,19 +43,28 @@ forgotten and the next call asks the actor, through Ray, for its new one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
 import os
+import select
 import socket
+import ssl
+import struct
 import threading
 import time
-from collections.abc import Collection, Hashable
-from multiprocessing.connection import Connection, wait
+from collections.abc import Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import wait
 from typing import Any
 
 import ray
 from ray.exceptions import RayError
+
+from kvstore import wire
+from kvstore.errors import ConfigError
+from kvstore.wire import MAX_FRAME_BYTES, Buffer, WireError
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +74,213 @@ Endpoint = tuple[str, int, bytes]
 #: A peer must finish the key handshake within this long (both sides), so a dead or wedged
 #: actor makes a call fail instead of hang.
 HANDSHAKE_TIMEOUT_S = 2.0
+#: Peers being authenticated at once (a thread each); more are turned away until one is done.
+MAX_HANDSHAKES = 16
 _BACKLOG = 128
-_WELCOME = b"kvstore.fastcall.v1"
+_MAGIC = b"kvstore.fastcall.v2"
+_NONCE = 32
+_PROOF = 32  # HMAC-SHA256
+_HELLO = len(_MAGIC) + _NONCE
+_ANSWER = _NONCE + _PROOF
+_LENGTH = struct.Struct(">I")
+#: A frame's parts beyond this many are joined before sending (IOV_MAX is 1024 on Linux).
+_MAX_PARTS = 512
 
 
 class RemoteError(Exception):
     """The served method raised; the message names its type and text."""
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """A server's certificate chain and private key (PEM files)."""
+
+    certfile: str
+    keyfile: str
+
+    def context(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.certfile, self.keyfile)
+        return context
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """The CA (PEM file) a server's certificate must chain to. ``server_name``: the name the
+    certificate must carry too; None checks the chain alone (a cluster CA that signs only the
+    cluster's servers; the key challenge inside still proves the actor)."""
+
+    cafile: str
+    server_name: str | None = None
+
+
+@functools.lru_cache(maxsize=8)
+def _client_context(tls: ClientTLS) -> ssl.SSLContext:
+    """Made once per setting: loading a CA file costs more than a loopback call."""
+    context = ssl.create_default_context(cafile=tls.cafile)
+    context.check_hostname = tls.server_name is not None
+    return context
+
+
+#: The operator's TLS setting (PEM file paths), read by every process that serves or dials.
+TLS_CERT_ENV = "KVSTORE_FASTCALL_TLS_CERT"
+TLS_KEY_ENV = "KVSTORE_FASTCALL_TLS_KEY"
+TLS_CA_ENV = "KVSTORE_FASTCALL_TLS_CA"
+TLS_SERVER_NAME_ENV = "KVSTORE_FASTCALL_TLS_SERVER_NAME"
+TLS_ENV = (TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV, TLS_SERVER_NAME_ENV)
+
+
+def tls_from_env(
+    environ: Mapping[str, str] = os.environ, *, serving: bool = False
+) -> tuple[ServerTLS | None, ClientTLS | None]:
+    """The fastcall TLS setting of this process: ``(server, client)``, ``(None, None)`` when no
+    variable is set (plain sockets; an empty value counts as unset). The cluster's processes
+    dial each other, so a setting is whole or refused (``ConfigError`` naming the variable):
+    a certificate needs its key and a CA (clients must trust the servers), a server name needs
+    the CA, every file must load. A CA alone is a client-only process (the gateway needs no
+    key); ``serving``: this process starts a ``FastCallServer``, which must then have a
+    certificate (its clients speak TLS to it)."""
+    value = {name: environ.get(name) or None for name in TLS_ENV}
+    cert, key, ca, server_name = (value[name] for name in TLS_ENV)
+    for name in (TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV):
+        path = value[name]
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(name, f"{path}: no such file")
+    if (cert is None) != (key is None):
+        missing, given = (TLS_KEY_ENV, TLS_CERT_ENV) if key is None else (TLS_CERT_ENV, TLS_KEY_ENV)
+        raise ConfigError(missing, f"must be set with {given} (a certificate and its key)")
+    if ca is None and (cert is not None or server_name is not None):
+        given = TLS_CERT_ENV if cert is not None else TLS_SERVER_NAME_ENV
+        raise ConfigError(TLS_CA_ENV, f"must be set with {given}: this cluster's clients dial TLS")
+    if serving and ca is not None and cert is None:
+        raise ConfigError(
+            TLS_CERT_ENV, f"must be set with {TLS_CA_ENV} where fastcall is served (TLS clients)"
+        )
+    server = ServerTLS(cert, key) if cert is not None and key is not None else None
+    client = ClientTLS(ca, server_name) if ca is not None else None
+    try:  # a bad PEM is the operator's to fix at start-up, not a refused peer later
+        if server is not None:
+            server.context()
+    except (ssl.SSLError, OSError) as error:
+        raise ConfigError(TLS_CERT_ENV, f"{cert} with {TLS_KEY_ENV}={key}: {error}") from None
+    try:
+        if client is not None:
+            _client_context(client)
+    except (ssl.SSLError, OSError) as error:
+        raise ConfigError(TLS_CA_ENV, f"{ca}: {error}") from None
+    return server, client
+
+
+def tls_env_options(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """Actor options handing this process's TLS variables on to an actor it starts (``{}`` when
+    none is set). A Ray worker is started by its node's raylet, with the raylet's environment,
+    not the deploying process's. The setting is checked here as for a server (the actors serve),
+    so a bad one fails the deploy instead of every actor's start."""
+    tls_from_env(environ, serving=True)
+    env_vars = {name: environ[name] for name in TLS_ENV if environ.get(name)}
+    return {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
+
+
+class FastConnection:
+    """One framed socket (plain or TLS); what ``connect`` answers. ``send_bytes``/
+    ``recv_bytes`` move one frame of raw bytes; the channel sends ``kvstore.wire`` values."""
+
+    def __init__(self, sock: socket.socket, frame_limit: int = MAX_FRAME_BYTES) -> None:
+        self._sock = sock
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self.frame_limit = frame_limit
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def pending(self) -> bool:
+        """Whether TLS holds decrypted bytes not yet read (the descriptor may not say so)."""
+        return self._tls and self._sock.pending() > 0  # type: ignore[attr-defined]
+
+    def send_frame(self, parts: Sequence[Buffer], deadline: float | None = None) -> None:
+        views = [memoryview(part).cast("B") for part in parts]
+        views.insert(0, memoryview(_LENGTH.pack(sum(map(len, views)))))
+        self._until(deadline)
+        if self._tls or len(views) > _MAX_PARTS:
+            self._sock.sendall(b"".join(views))  # TLS has no sendmsg
+            return
+        while views:  # scatter-gather: the arrays' memory goes out uncopied
+            sent = self._sock.sendmsg(views)
+            while views and sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            if views and sent:
+                views[0] = views[0][sent:]
+
+    def recv_frame(self, limit: int | None = None, deadline: float | None = None) -> bytearray:
+        """The next frame; ``WireError`` when its length passes ``limit`` (the frame is not
+        read: drop the connection), ``EOFError`` when the peer hung up."""
+        head = bytearray(_LENGTH.size)
+        self._recv_into(memoryview(head), deadline)
+        (size,) = _LENGTH.unpack(head)
+        limit = self.frame_limit if limit is None else limit
+        if size > limit:
+            raise WireError(f"a frame of {size} bytes, {limit} at the most")
+        body = bytearray(size)
+        self._recv_into(memoryview(body), deadline)
+        return body
+
+    def _recv_into(self, view: memoryview, deadline: float | None) -> None:
+        while view:
+            self._until(deadline)
+            got = self._sock.recv_into(view)
+            if not got:
+                raise EOFError("fastcall: the peer closed the connection")
+            view = view[got:]
+
+    def _until(self, deadline: float | None) -> None:
+        """Bound the next socket operation by ``deadline`` (None: block)."""
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("fastcall: the handshake took too long")
+            self._sock.settimeout(left)
+
+    def send_bytes(self, data: Buffer) -> None:
+        self.send_frame([data])
+
+    def recv_bytes(self, maxlength: int | None = None) -> bytes:
+        return bytes(self.recv_frame(maxlength))
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> FastConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _proof(key: bytes, role: bytes, nonces: tuple[bytes, bytes], host: str, port: int) -> bytes:
+    """One side's proof that it holds ``key``, for this connection (``nonces``: the server's,
+    the client's) to this endpoint only."""
+    binding = f"{host}:{port}".encode()
+    return hmac.new(key, b"".join((_MAGIC, b" ", role, *nonces, binding)), hashlib.sha256).digest()
+
+
+def _tls_handshake(sock: ssl.SSLSocket, deadline: float) -> None:
+    """The TLS handshake, done by ``deadline`` however slowly the peer sends (a socket timeout
+    would bound each wait, not the whole)."""
+    sock.setblocking(False)
+    poller = select.poll()
+    while True:
+        try:
+            sock.do_handshake()
+            return
+        except ssl.SSLWantReadError:
+            poller.register(sock, select.POLLIN)
+        except ssl.SSLWantWriteError:
+            poller.register(sock, select.POLLOUT)
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            raise TimeoutError("fastcall: the TLS handshake took too long")
+        poller.unregister(sock)
 
 
 class FastCallServer:
@@ -53,9 +289,8 @@ class FastCallServer:
     that its caller need not wait for.
 
     ``lock`` is the lock the actor already holds around its plain object, so socket calls and
-    Ray calls never run in it at once. Each peer first proves it holds the key (HMAC-SHA256 of
-    a fresh nonce), in its own thread and within ``HANDSHAKE_TIMEOUT_S``, so a slow or silent
-    peer never holds up the others.
+    Ray calls never run in it at once. Each peer first passes the mutual challenge (see the
+    module doc), in its own thread, so a slow or silent peer never holds up the others.
     """
 
     def __init__(
@@ -64,15 +299,20 @@ class FastCallServer:
         methods: Collection[str],
         lock: threading.Lock,
         host: str = "127.0.0.1",
+        tls: ServerTLS | None = None,
+        frame_limit: int = MAX_FRAME_BYTES,
     ) -> None:
         self._target = target
         self._methods = frozenset(methods)
         self._lock = lock
+        self._tls = tls.context() if tls is not None else None
+        self._frame_limit = frame_limit
         self._authkey = os.urandom(32)
         self._socket = socket.create_server((host, 0), backlog=_BACKLOG)
         address = self._socket.getsockname()
         self.endpoint: Endpoint = (str(address[0]), int(address[1]), self._authkey)
         self._closed = False
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         # A Ray worker is a child of its node's raylet. Once the raylet is gone (the machine was
         # removed or declared dead) Ray routes no call here any more, but this process may
         # linger a while; its socket must not keep answering for a dead actor.
@@ -96,30 +336,26 @@ class FastCallServer:
                     return
                 time.sleep(0.01)  # out of descriptors or the like: try again, do not spin
                 continue
+            if not self._handshakes.acquire(blocking=False):
+                peer.close()  # unauthenticated peers cost a thread each: no more than this
+                continue
             threading.Thread(target=self._serve, args=(peer,), daemon=True).start()
 
     def _serve(self, peer: socket.socket) -> None:
-        peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with Connection(peer.detach()) as conn:
-            nonce = os.urandom(32)
-            try:
-                conn.send_bytes(nonce)
-                if not conn.poll(HANDSHAKE_TIMEOUT_S):
-                    return
-                proof = conn.recv_bytes(64)
-                if not hmac.compare_digest(proof, _proof(self._authkey, nonce)):
-                    log.warning("fastcall: a peer without the key was refused")
-                    return
-                conn.send_bytes(_WELCOME)
-            except (OSError, EOFError):
-                return
+        try:
+            conn = self._handshake(peer)
+        finally:
+            self._handshakes.release()
+        if conn is None:
+            return
+        with conn:
             while True:
                 try:
-                    method, args = conn.recv()
+                    method, args = _request(conn.recv_frame())
                 except (EOFError, OSError):
                     return  # the peer went away
-                except Exception as error:  # an undecodable message: drop this peer
-                    log.warning("fastcall: bad message: %r", error)
+                except WireError as error:  # an undecodable message: drop this peer
+                    log.warning("fastcall: dropped a peer: %s", error)
                     return
                 if self._orphaned():
                     return  # the caller sees the connection close and asks Ray instead
@@ -132,10 +368,43 @@ class FastCallServer:
                     except Exception as error:
                         reply = (False, f"{type(error).__name__}: {error}")
                 try:
-                    conn.send(reply)
-                except (OSError, ValueError):
+                    parts = wire.encode(reply, self._frame_limit)
+                except (TypeError, WireError) as error:  # an answer the wire does not carry
+                    parts = wire.encode((False, f"{type(error).__name__}: {error}"))
+                try:
+                    conn.send_frame(parts)
+                except OSError:
                     return
                 self._after_reply()
+
+    def _handshake(self, peer: socket.socket) -> FastConnection | None:
+        """The peer, authenticated (None when it failed the challenge or took too long)."""
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        host, port, authkey = self.endpoint
+        sock = peer
+        try:
+            peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(peer, server_side=True, do_handshake_on_connect=False)
+                _tls_handshake(sock, deadline)
+            conn = FastConnection(sock, self._frame_limit)
+            server_nonce = os.urandom(_NONCE)
+            conn.send_frame([_MAGIC + server_nonce], deadline)
+            answer = conn.recv_frame(_ANSWER, deadline)
+            nonces = (server_nonce, bytes(answer[:_NONCE]))
+            if not hmac.compare_digest(
+                bytes(answer[_NONCE:]), _proof(authkey, b"client", nonces, host, port)
+            ):
+                log.warning("fastcall: a peer without the key was refused")
+                sock.close()
+                return None
+            conn.send_frame([_proof(authkey, b"server", nonces, host, port)], deadline)
+            sock.settimeout(None)
+            return conn
+        except (OSError, EOFError, ValueError) as error:  # gone, too slow, TLS, a frame too big
+            log.debug("fastcall: a peer failed the handshake: %r", error)
+            sock.close()
+            return None
 
     def _after_reply(self) -> None:
         """Work the caller need not wait for (``after_reply()`` of the target, if it has one):
@@ -159,44 +428,81 @@ class FastCallServer:
         self._socket.close()
 
 
-def _proof(authkey: bytes, nonce: bytes) -> bytes:
-    return hmac.new(authkey, nonce, hashlib.sha256).digest()
+def _request(frame: bytearray) -> tuple[str, tuple[Any, ...]]:
+    """``(method, args)`` of a call frame."""
+    call = wire.decode(frame)
+    if type(call) is not tuple or len(call) != 2:
+        raise WireError("a call is (method, args)")
+    method, args = call
+    if type(method) is not str or type(args) is not tuple:
+        raise WireError("a call is (method: str, args: tuple)")
+    return method, args
 
 
-def connect(endpoint: Endpoint, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Connection:
+def connect(
+    endpoint: Endpoint,
+    timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    tls: ClientTLS | None = None,
+    frame_limit: int = MAX_FRAME_BYTES,
+) -> FastConnection:
     """An authenticated connection to ``endpoint``; raises ``OSError`` (``TimeoutError`` when
     the actor does not answer in ``timeout_s``, ``ConnectionRefusedError`` when it is gone,
-    ``PermissionError`` when the key is refused)."""
+    ``ConnectionError`` when it turned the connection away (busy), ``PermissionError`` when the
+    key is refused or the peer cannot prove it holds it: not the actor)."""
     host, port, authkey = endpoint
+    deadline = time.monotonic() + timeout_s
     sock = socket.create_connection((host, port), timeout=timeout_s)
-    sock.settimeout(None)  # Connection reads the descriptor directly: it must block
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    conn = Connection(sock.detach())
     try:
-        if not conn.poll(timeout_s):
-            raise TimeoutError(f"fastcall: {host}:{port} sent no challenge in {timeout_s} s")
-        nonce = conn.recv_bytes(64)
-        conn.send_bytes(_proof(authkey, nonce))
-        if not conn.poll(timeout_s):
-            raise TimeoutError(f"fastcall: {host}:{port} did not answer the handshake")
-        if conn.recv_bytes(64) != _WELCOME:
-            raise PermissionError(f"fastcall: {host}:{port} refused the key")
-    except EOFError:
-        conn.close()
-        raise PermissionError(f"fastcall: {host}:{port} refused the key") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            sock = _client_context(tls).wrap_socket(
+                sock, server_hostname=tls.server_name, do_handshake_on_connect=False
+            )
+            try:
+                _tls_handshake(sock, deadline)
+            except ssl.SSLCertVerificationError as error:
+                raise PermissionError(f"fastcall: {host}:{port}: {error.verify_message}") from None
+        conn = FastConnection(sock, frame_limit)
+        try:
+            hello = conn.recv_frame(_HELLO, deadline)
+        except EOFError:
+            raise ConnectionError(f"fastcall: {host}:{port} turned the connection away") from None
+        if len(hello) != _HELLO or not hello.startswith(_MAGIC):
+            raise PermissionError(f"fastcall: {host}:{port} is not a fastcall server")
+        nonces = (bytes(hello[len(_MAGIC) :]), os.urandom(_NONCE))
+        conn.send_frame([nonces[1] + _proof(authkey, b"client", nonces, host, port)], deadline)
+        try:
+            answer = conn.recv_frame(_PROOF, deadline)
+        except EOFError:
+            raise PermissionError(f"fastcall: {host}:{port} refused the key") from None
+        if not hmac.compare_digest(bytes(answer), _proof(authkey, b"server", nonces, host, port)):
+            raise PermissionError(f"fastcall: {host}:{port} could not prove the key: an impostor")
+        sock.settimeout(None)
+        return conn
+    except WireError as error:  # a handshake frame of the wrong size
+        sock.close()
+        raise PermissionError(
+            f"fastcall: {host}:{port} is not a fastcall server: {error}"
+        ) from None
     except BaseException:
-        conn.close()
+        sock.close()
         raise
-    return conn
 
 
 class FastChannel:
     """The calling side of one actor's ``FastCallServer``: a pool of authenticated sockets
     (one per call in flight), safe to use from several threads."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        tls: ClientTLS | None = None,
+        frame_limit: int = MAX_FRAME_BYTES,
+    ) -> None:
         self.endpoint = endpoint
-        self._free: list[Connection] = []
+        self._tls = tls
+        self._frame_limit = frame_limit
+        self._free: list[FastConnection] = []
         self._lock = threading.Lock()
 
     def idle(self) -> bool:
@@ -205,34 +511,44 @@ class FastChannel:
 
     def start(
         self, method: str, args: tuple[Any, ...], dial_timeout_s: float = HANDSHAKE_TIMEOUT_S
-    ) -> Connection:
+    ) -> FastConnection:
         """Send a call; the returned connection becomes readable when its reply is in.
         Raises ``OSError``/``EOFError`` when the actor cannot be reached (``TimeoutError``
         when a new connection is not set up within ``dial_timeout_s``: a caller with a
         deadline passes what is left of it; a loaded actor may take a while to answer, so a
-        short fixed bound would make healthy dials fail)."""
+        short fixed bound would make healthy dials fail), ``TypeError`` for an argument the
+        wire does not carry (before any socket is used)."""
+        parts = wire.encode((method, tuple(args)), self._frame_limit)
         with self._lock:
             conn = self._free.pop() if self._free else None
         if conn is None:
-            conn = connect(self.endpoint, max(0.001, min(dial_timeout_s, HANDSHAKE_TIMEOUT_S)))
+            timeout = max(0.001, min(dial_timeout_s, HANDSHAKE_TIMEOUT_S))
+            conn = connect(self.endpoint, timeout, self._tls, self._frame_limit)
         try:
-            conn.send((method, args))
+            conn.send_frame(parts)
         except BaseException:
             conn.close()
             raise
         return conn
 
-    def finish(self, conn: Connection) -> Any:
-        """The reply of the call sent on ``conn`` (ready: see ``wait``); ``conn`` is reused.
-        Raises ``RemoteError`` if the method raised, ``OSError``/``EOFError`` if the actor
-        went away."""
+    def finish(self, conn: FastConnection) -> Any:
+        """The reply of the call sent on ``conn`` (ready: see ``wait_ready``); ``conn`` is
+        reused. Raises ``RemoteError`` if the method raised, ``OSError``/``EOFError`` if the
+        actor went away (or answered a frame that is not a reply: the connection is dropped)."""
         try:
-            ok, value = conn.recv()
+            reply = wire.decode(conn.recv_frame())
+            if type(reply) is not tuple or len(reply) != 2 or type(reply[0]) is not bool:
+                raise WireError("a reply is (ok: bool, value)")
+        except WireError as error:
+            conn.close()
+            host, port, _ = self.endpoint
+            raise ConnectionError(f"fastcall: {host}:{port} sent a bad reply: {error}") from None
         except BaseException:
             conn.close()
             raise
         with self._lock:
             self._free.append(conn)
+        ok, value = reply
         if not ok:
             raise RemoteError(value)
         return value
@@ -250,8 +566,9 @@ class FastChannels:
     too, for its endpoint (``fast_endpoint()``); later calls use the socket. A target without
     one (or not answering) is asked again after ``retry_s``."""
 
-    def __init__(self, retry_s: float = 1.0) -> None:
+    def __init__(self, retry_s: float = 1.0, tls: ClientTLS | None = None) -> None:
         self._retry = retry_s
+        self._tls = tls
         self._channels: dict[Hashable, FastChannel] = {}
         self._asking: dict[Hashable, Any] = {}  # target -> ObjectRef of fast_endpoint()
         self._none_until: dict[Hashable, float] = {}
@@ -285,7 +602,8 @@ class FastChannels:
             return None
         with self._lock:
             self._asking.pop(target, None)
-            return self._channels.setdefault(target, FastChannel((host, port, authkey)))
+            channel = FastChannel((host, port, authkey), self._tls)
+            return self._channels.setdefault(target, channel)
 
     def forget(self, target: Hashable, channel: FastChannel) -> None:
         """The actor behind ``channel`` went away (or restarted on a new port)."""
@@ -295,6 +613,11 @@ class FastChannels:
         channel.close()
 
 
-def wait_ready(conns: Collection[Connection], timeout: float) -> list[Connection]:
+def wait_ready(conns: Collection[FastConnection], timeout: float) -> list[FastConnection]:
     """The connections of ``conns`` with a reply (or EOF) to read, waiting up to ``timeout``."""
-    return [conn for conn in wait(list(conns), timeout=max(0.0, timeout))]  # type: ignore[misc]
+    buffered = [conn for conn in conns if conn.pending()]  # TLS read ahead: the fd may be quiet
+    by_fd = {conn.fileno(): conn for conn in conns if conn not in buffered}
+    if not by_fd:
+        return buffered
+    ready = wait(list(by_fd), timeout=0.0 if buffered else max(0.0, timeout))
+    return buffered + [by_fd[fd] for fd in ready]  # type: ignore[index]

@@ -23,6 +23,7 @@ import ray
 from ray.exceptions import RayError
 
 from kvstore.blockstore.calls import meta_target, node_target
+from kvstore.blockstore.capacity import tier_usage
 from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.blockstore.fanout import Target
 from kvstore.blockstore.index import BlockIndex
@@ -175,12 +176,10 @@ class LiveTier:
         return merged.replace_schema_metadata(metadata)
 
     def usage(self) -> tuple[int, int]:
+        """(disk bytes held, capacity) of every node, a shared filesystem's free space counted
+        once (``capacity.tier_usage``)."""
         handles = [self.fanout.handle(node_target(i)) for i in self.node_ids]
-        replies = ray.get([h.usage.remote() for h in handles], timeout=60)
-        return (
-            sum(int(r["bytes_used"]) for r in replies),
-            sum(int(r["capacity_bytes"]) for r in replies),
-        )
+        return tier_usage(ray.get([h.usage.remote() for h in handles], timeout=60))
 
     def plan(self, gc_config: GCConfig, snapshot: pa.Table | None = None) -> GCPlan:
         """What a pass would do now, without doing it.

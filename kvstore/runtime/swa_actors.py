@@ -36,7 +36,7 @@ from kvstore.keys import BlockKey
 from kvstore.runtime.blockstore_actors import find_actor
 from kvstore.runtime.cluster import pin_to_node
 from kvstore.runtime.fanout import RayFanout
-from kvstore.runtime.fastcall import FastCallServer
+from kvstore.runtime.fastcall import FastCallServer, tls_env_options, tls_from_env
 from kvstore.swa.agent import StoreAgent
 from kvstore.swa.client import SWAClient
 from kvstore.swa.config import SWAConfig
@@ -103,10 +103,15 @@ class SWAEntrypointActor:
     def __init__(self, shard_id: str, owner_timeout_s: float) -> None:
         self._shard = DirectoryShard(shard_id, owner_timeout_s=owner_timeout_s, clock=SystemClock())
         # Lookups (a hit query's second round) also come over a direct socket, served by
-        # another thread: the lock keeps the shard single-threaded.
+        # another thread: the lock keeps the shard single-threaded. TLS where the operator set
+        # it (the environment deploy_swa handed on).
         self._lock = threading.Lock()
         self._fast = FastCallServer(
-            self._shard, ("lookup",), self._lock, ray.util.get_node_ip_address()
+            self._shard,
+            ("lookup",),
+            self._lock,
+            ray.util.get_node_ip_address(),
+            tls=tls_from_env(serving=True)[0],
         )
 
     def fast_endpoint(self) -> tuple[str, int, bytes]:
@@ -331,6 +336,7 @@ def _start_store(deployment: SWADeployment, machine_id: str, node_id: str) -> An
         enable_task_events=False,
         lifetime="detached" if deployment.detached else None,
         **pin_to_node(node_id),
+        **tls_env_options(),  # a Ray worker does not inherit this process's environment
     ).remote(
         config=deployment.config,
         state_bytes=deployment.state_bytes,
@@ -373,6 +379,7 @@ def deploy_swa(
             scheduling_strategy=NodeAffinitySchedulingStrategy(
                 node_id=node_ids[index % len(node_ids)], soft=True
             ),
+            **tls_env_options(),  # a Ray worker does not inherit this process's environment
         ).remote(shard, config.owner_timeout_s)
     for machine_id, node_id in machines.items():
         name = store_actor_name(config, machine_id)

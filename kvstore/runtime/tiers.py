@@ -75,6 +75,7 @@ def cluster_tier(
         swa=swa_client,
         geometry=geometry,
         state_size=geometry.state_size_to_disk,
+        block_bytes=geometry.block_bytes,
         control=RayTierControl(blocks.metas, blocks.repair),
         foreign_leases=foreign_leases,
     )

@@ -30,11 +30,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from kvstore import wire
 from kvstore.clock import Clock
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.keys import BlockKey
 
 
+@wire.register  # the answer of a directory lookup over the direct socket (fastcall)
 @dataclass(frozen=True)
 class StoreRef:
     """Where a state lives: the machine (failure domain) and the store actor's name there."""

@@ -34,7 +34,7 @@ from kvstore.blockstore.records import Lease, PutResult
 from kvstore.clock import Clock
 from kvstore.errors import InvalidArgument, LeaseError, StoreError
 from kvstore.hitplan import check_store_position
-from kvstore.keys import BlockKey, check_key, check_keys
+from kvstore.keys import BlockKey, check_key, check_keys, state_slot
 from kvstore.swa.client import SWAClient
 from kvstore.swa.directory import StoreRef
 from kvstore.tier.coalesce import AsyncCoalescer, Coalescer
@@ -88,26 +88,31 @@ class _CoalescedBlocks:
 
 
 class _CoalescedStates:
-    """``StateLocator`` through the tier's shared directory-lookup coalescers."""
+    """``StateLocator`` through the tier's shared directory-lookup coalescers (a state is kept
+    under its key bound to its position, ``kvstore.keys.state_slot``)."""
 
     def __init__(self, tier: ClusterTier) -> None:
         self._tier = tier
 
-    def locate(self, key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None:
-        return self._tier._locates.call(key)
+    def locate(
+        self, key: BlockKey, position: int, prefer_machine: str | None = None
+    ) -> StoreRef | None:
+        return self._tier._locates.call(state_slot(key, position))
 
     async def locate_async(
-        self, key: BlockKey, prefer_machine: str | None = None
+        self, key: BlockKey, position: int, prefer_machine: str | None = None
     ) -> StoreRef | None:
-        return await self._tier._async_locates().call(key)
+        return await self._tier._async_locates().call(state_slot(key, position))
 
 
 class _NoStates:
-    def locate(self, key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None:
+    def locate(
+        self, key: BlockKey, position: int, prefer_machine: str | None = None
+    ) -> StoreRef | None:
         return None
 
     async def locate_async(
-        self, key: BlockKey, prefer_machine: str | None = None
+        self, key: BlockKey, position: int, prefer_machine: str | None = None
     ) -> StoreRef | None:
         return None
 
@@ -123,6 +128,7 @@ class ClusterTier:
         swa: SWAClient | None,
         geometry: HitGeometry,
         state_size: int,
+        block_bytes: int,
         control: TierControl | None = None,
         max_open_leases: int = MAX_OPEN_LEASES,
         clock: Clock | None = None,
@@ -134,6 +140,8 @@ class ClusterTier:
         being refused (the gateway refuses: NOT_FOUND)."""
         self.model_fingerprint = geometry.fingerprint()
         self.state_size = state_size
+        self.block_bytes = block_bytes
+        self.lease_seconds = blocks.config.lease_seconds
         self._geometry = geometry
         self._blocks = blocks
         self._swa = swa
@@ -288,15 +296,20 @@ class ClusterTier:
 
     # --- TierReader ----------------------------------------------------------------------------
 
-    def get_blocks(self, keys: Sequence[bytes], lease_id: str | None = None) -> list[BlockRead]:
+    def get_blocks(
+        self, keys: Sequence[bytes], lease_id: str | None = None, *, keep_lease: bool = False
+    ) -> list[BlockRead]:
         checked = check_keys(keys, "keys")
-        lease = self._leases.take(lease_id) if lease_id else None
+        lease = None
+        if lease_id:
+            lease = self._leases.peek(lease_id) if keep_lease else self._leases.take(lease_id)
         if lease_id and lease is None and not self._foreign_leases:
             raise LeaseError(f"lease {lease_id!r} is unknown or has expired; query again")
         try:
             outcome = self._blocks.read(checked, lease)
         finally:
-            self._release(lease)  # the read is done: GC may collect again
+            if not keep_lease:
+                self._release(lease)  # the read is done: GC may collect again
         degraded = sum(outcome.degraded)
         if degraded:
             with self._lock:
@@ -314,7 +327,8 @@ class ClusterTier:
         check_store_position(position, "position", block_tokens=self._geometry.block_tokens)
         if self._swa is None:
             return StateRead(state=None, miss_reason="no_swa_tier")
-        fetched = self._swa.get(check_key(key))
+        # Kept under its key bound to its position: another position's state is a miss.
+        fetched = self._swa.get(state_slot(check_key(key), position))
         if fetched is None:
             return StateRead(state=None, miss_reason="not_in_directory_or_owner_lost")
         return StateRead(state=fetched.blob.tobytes(), owner=fetched.owner.machine_id)
@@ -341,7 +355,8 @@ class ClusterTier:
             target = max(stores, key=lambda m: hashlib.blake2b(key + m.encode()).digest())
         elif target not in stores:
             raise InvalidArgument("machine", f"no SWA store on {target!r}; known: {stores}")
-        self._swa.put(target, key, position, np.frombuffer(state, dtype=np.uint8))
+        slot = state_slot(key, position)
+        self._swa.put(target, slot, position, np.frombuffer(state, dtype=np.uint8))
         return target
 
     # --- figures -------------------------------------------------------------------------------
@@ -391,6 +406,7 @@ class ClusterTier:
             storage_nodes=self._storage_nodes,
             extra={
                 "model_fingerprint": self.model_fingerprint.hex(),
+                "block_bytes": self.block_bytes,
                 "open_leases": len(self._leases),
                 "meta_shards_answering": sum(meta is not None for meta in metas),
                 "dead_nodes": sorted(dead),

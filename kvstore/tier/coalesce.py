@@ -7,6 +7,10 @@ waiting. There is no timer: the first caller runs a batch at once (no added late
 callers arriving meanwhile join the next batch, which the same leader runs as soon as the first
 returns.
 
+A batch that fails because of what one caller asked (``InvalidArgument``) is run again one item
+at a time, so that caller gets its error and everyone else coalesced with it gets an answer.
+A failure of the cluster itself fails the batch: asked one by one, it would only fail slower.
+
 ``Coalescer`` serves callers in threads; ``AsyncCoalescer`` the same for callers on one asyncio
 loop (the gateway's hit path), where a batch is run by a task and callers await its answer.
 """
@@ -17,6 +21,8 @@ import asyncio
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
+
+from kvstore.errors import InvalidArgument
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -37,8 +43,9 @@ class Coalescer(Generic[Item, Result]):
     """``call(item)`` → ``batch([items...])[i]``, with concurrent calls merged into one batch.
 
     ``batch`` must return one result per item, in order. If it raises, every caller of that
-    batch gets the exception. A leader runs one batch, then hands the lead to a waiting caller,
-    so under steady load no caller keeps working for others after its own answer is in.
+    batch gets the exception (after the one-by-one rerun of an ``InvalidArgument``). A leader
+    runs one batch, then hands the lead to a waiting caller, so under steady load no caller
+    keeps working for others after its own answer is in.
     """
 
     def __init__(self, batch: Callable[[Sequence[Item]], Sequence[Result]], max_batch: int = 64):
@@ -78,6 +85,15 @@ class Coalescer(Generic[Item, Result]):
                 raise RuntimeError(f"batch answered {len(results)} results for {len(batch)}")
             for slot, result in zip(batch, results, strict=True):
                 slot.result = result
+        except InvalidArgument as error:
+            if len(batch) == 1:
+                batch[0].error = error
+            else:
+                for slot in batch:  # one caller's bad request must not fail the others
+                    try:
+                        slot.result = self._batch([slot.item])[0]
+                    except BaseException as alone:
+                        slot.error = alone
         except BaseException as error:  # handed to every caller of this batch
             for slot in batch:
                 slot.error = error
@@ -128,6 +144,12 @@ class AsyncCoalescer(Generic[Item, Result]):
                     if len(results) != len(batch):
                         count = f"{len(results)} results for {len(batch)}"
                         raise RuntimeError(f"batch answered {count}")
+                except InvalidArgument as error:
+                    if len(batch) == 1:
+                        if not batch[0][1].done():
+                            batch[0][1].set_exception(error)
+                    else:
+                        await self._one_by_one(batch)
                 except BaseException as error:  # handed to every caller of this batch
                     for _, future in batch:
                         if not future.done():
@@ -142,3 +164,15 @@ class AsyncCoalescer(Generic[Item, Result]):
                 self.items += len(batch)
         finally:
             self._running = False
+
+    async def _one_by_one(self, batch: list[tuple[Item, asyncio.Future[Result]]]) -> None:
+        """Rerun a batch that one caller's bad request failed, so only that caller fails."""
+        for item, future in batch:
+            try:
+                result = (await self._batch([item]))[0]
+            except Exception as alone:
+                if not future.done():
+                    future.set_exception(alone)
+            else:
+                if not future.done():
+                    future.set_result(result)

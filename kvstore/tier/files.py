@@ -8,15 +8,19 @@ a miss (``miss_reason`` says which), never as wrong bytes. Writes go to a tempor
 are renamed into place, so a reader sees the whole file or none. No leases (nothing here is
 evicted behind a reader's back), no erasure coding.
 
-Layout: ``<root>/blocks/<key hex>.blk`` and ``<root>/swa/<key hex>-<position>.state``.
+Layout: ``<root>/blocks/<key hex>.blk`` and ``<root>/swa/<key hex>-<position>.state``. Only the
+service's user reads them: the directories are 0700 (``root`` must be its own, not a symlink, not
+writable by others), the files 0600, and every file is reached relative to the directory's held
+descriptor without following symlinks (``kvstore.privatefs``). Temp files have random names, as
+several processes (the saver, a fetcher) may write one key at once.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import secrets
 import struct
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ import xxhash
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import GeometryConfig
 from kvstore.keys import BlockKey, check_key, check_keys, words_to_keys
+from kvstore.privatefs import PrivateDir
 from kvstore.swa.directory import StoreRef
 from kvstore.swa.store import check_state
 from kvstore.tier.hit import HitQuery
@@ -49,8 +54,11 @@ class DirectoryTier:
         self.geometry = geometry or GeometryConfig.default()
         self.model_fingerprint = self.geometry.fingerprint()
         self.state_size = self.geometry.state_size_to_disk
-        (self.root / "blocks").mkdir(parents=True, exist_ok=True)
-        (self.root / "swa").mkdir(parents=True, exist_ok=True)
+        self.block_bytes = self.geometry.block_bytes
+        home = PrivateDir.open(self.root, "root", check_parent=False)
+        self._blocks = home.subdir("blocks")
+        self._swa = home.subdir("swa")
+        home.close()
 
     def __reduce__(self) -> tuple[object, ...]:
         return (DirectoryTier, (str(self.root), self.geometry))
@@ -62,10 +70,10 @@ class DirectoryTier:
     # --- paths -------------------------------------------------------------------------------
 
     def block_path(self, key: bytes) -> Path:
-        return self.root / "blocks" / f"{check_key(key).hex()}.blk"
+        return self._blocks.path / _block_name(key)
 
     def state_path(self, key: bytes, position: int) -> Path:
-        return self.root / "swa" / f"{check_key(key).hex()}-{int(position)}.state"
+        return self._swa.path / _state_name(key, position)
 
     # --- TierWriter --------------------------------------------------------------------------
 
@@ -78,7 +86,7 @@ class DirectoryTier:
             )
         checked = check_keys(keys, "keys")
         for key, payload in zip(checked, payloads, strict=True):
-            _write_file(self.block_path(key), bytes(payload))
+            _write_file(self._blocks, _block_name(key), bytes(payload))
         return PutAnswer(stored=len(checked))
 
     def put_swa_state(
@@ -86,20 +94,22 @@ class DirectoryTier:
     ) -> str:
         check_key(key)
         check_state(position, state, state_bytes=self.state_size)
-        _write_file(self.state_path(key, position), bytes(state))
+        _write_file(self._swa, _state_name(key, position), bytes(state))
         return machine or LOCAL_OWNER
 
     # --- TierReader --------------------------------------------------------------------------
 
-    def get_blocks(self, keys: Sequence[bytes], lease_id: str | None = None) -> list[BlockRead]:
+    def get_blocks(
+        self, keys: Sequence[bytes], lease_id: str | None = None, *, keep_lease: bool = False
+    ) -> list[BlockRead]:
         reads = []
         for key in check_keys(keys, "keys"):
-            payload, reason = _read_file(self.block_path(key))
+            payload, reason = _read_file(self._blocks, _block_name(key))
             reads.append(BlockRead(key=key, payload=payload, miss_reason=reason))
         return reads
 
     def get_swa_state(self, key: bytes, position: int) -> StateRead:
-        state, reason = _read_file(self.state_path(key, position))
+        state, reason = _read_file(self._swa, _state_name(key, position))
         if state is not None and len(state) != self.state_size:
             reason = f"corrupt: state has {len(state)} B, expected {self.state_size}"
             state = None
@@ -108,7 +118,9 @@ class DirectoryTier:
     # --- HitSource ---------------------------------------------------------------------------
 
     def query_hit(self, request: HitRequest) -> HitAnswer:
-        query = HitQuery(blocks=_FileBlocks(self), states=_FileStates(self), geometry=self.geometry)
+        query = HitQuery(
+            blocks=_FileBlocks(self._blocks), states=_FileStates(self._swa), geometry=self.geometry
+        )
         return query.query_hit(request.keys_or_tokens, request.length, request.mode).answer(None)
 
     def release_lease(self, lease_id: str) -> bool:
@@ -116,11 +128,9 @@ class DirectoryTier:
         return False
 
     def stats(self) -> Stats:
-        blocks = list((self.root / "blocks").glob("*.blk"))
-        states = list((self.root / "swa").glob("*.state"))
         return Stats(
-            block_bytes_stored=sum(path.stat().st_size - _HEADER.size for path in blocks),
-            swa_bytes_stored=sum(path.stat().st_size - _HEADER.size for path in states),
+            block_bytes_stored=_stored_bytes(self._blocks, ".blk"),
+            swa_bytes_stored=_stored_bytes(self._swa, ".state"),
             extra={"model_fingerprint": self.model_fingerprint.hex(), "root": str(self.root)},
         )
 
@@ -128,13 +138,13 @@ class DirectoryTier:
 class _FileBlocks:
     """``BlockLookup``: the leading run of blocks whose files exist (no leases here)."""
 
-    def __init__(self, tier: DirectoryTier) -> None:
-        self._tier = tier
+    def __init__(self, blocks: PrivateDir) -> None:
+        self._blocks = blocks
 
     def lookup(self, keys: np.ndarray) -> tuple[int, Any]:
         run = 0
         for key in words_to_keys(keys):
-            if not self._tier.block_path(key).is_file():
+            if not self._blocks.is_file(_block_name(key)):
                 break
             run += 1
         return run, None
@@ -147,38 +157,49 @@ class _FileBlocks:
 
 
 class _FileStates:
-    """``StateLocator``: a state file of that key exists (whatever its position's name)."""
+    """``StateLocator``: the state file of that key at that position exists."""
 
-    def __init__(self, tier: DirectoryTier) -> None:
-        self._tier = tier
+    def __init__(self, states: PrivateDir) -> None:
+        self._states = states
 
-    def locate(self, key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None:
-        found = next((self._tier.root / "swa").glob(f"{key.hex()}-*.state"), None)
-        return _LOCAL_STORE if found is not None else None
+    def locate(
+        self, key: BlockKey, position: int, prefer_machine: str | None = None
+    ) -> StoreRef | None:
+        return _LOCAL_STORE if self._states.is_file(_state_name(key, position)) else None
 
     async def locate_async(
-        self, key: BlockKey, prefer_machine: str | None = None
+        self, key: BlockKey, position: int, prefer_machine: str | None = None
     ) -> StoreRef | None:
-        return self.locate(key, prefer_machine)
+        return self.locate(key, position, prefer_machine)
 
 
-def _write_file(path: Path, data: bytes) -> None:
+def _block_name(key: bytes) -> str:
+    return f"{check_key(key).hex()}.blk"
+
+
+def _state_name(key: bytes, position: int) -> str:
+    return f"{check_key(key).hex()}-{int(position)}.state"
+
+
+def _write_file(directory: PrivateDir, name: str, data: bytes) -> None:
     header = _HEADER.pack(_MAGIC, len(data), xxhash.xxh3_64_intdigest(data))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(header)
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    temporary = f".tmp-{secrets.token_hex(8)}"  # one per writer: processes may race on a key
+    directory.write_atomically(name, [header, data], sync=False, temp=temporary)
 
 
-def _read_file(path: Path) -> tuple[bytes | None, str | None]:
+def _stored_bytes(directory: PrivateDir, suffix: str) -> int:
+    """Payload bytes of the files named ``*<suffix>`` in ``directory`` (headers left out)."""
+    total = 0
+    for entry in directory.entries():
+        if entry.name.endswith(suffix) and entry.is_file(follow_symlinks=False):
+            total += entry.stat(follow_symlinks=False).st_size - _HEADER.size
+    return total
+
+
+def _read_file(directory: PrivateDir, name: str) -> tuple[bytes | None, str | None]:
     """(bytes, None) or (None, why it is a miss)."""
     try:
-        raw = path.read_bytes()
+        raw = directory.read(name)
     except FileNotFoundError:
         return None, "absent"
     except OSError as error:

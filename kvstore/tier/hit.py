@@ -27,7 +27,7 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument, StoreError
 from kvstore.hitplan import MODES, STANDARD, HasHitGeometry, HitPlan, hit_cap, plan_hit
-from kvstore.keys import BlockKey, block_keys, key_words
+from kvstore.keys import BlockKey, block_key_words, key_words, repeated_key
 from kvstore.swa.advice import FETCH, Advice, FetchReplayAdvisor
 from kvstore.swa.directory import StoreRef
 from kvstore.tier.records import HitAnswer
@@ -51,16 +51,20 @@ class BlockLookup(Protocol):
 
 
 class StateLocator(Protocol):
-    """The SWA directory as the hit query needs it: who holds the state of ``key``, or None."""
+    """The SWA directory as the hit query needs it: who holds the state of ``key`` taken at
+    ``position``, or None."""
 
-    def locate(self, key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None: ...
+    def locate(
+        self, key: BlockKey, position: int, prefer_machine: str | None = None
+    ) -> StoreRef | None: ...
 
     async def locate_async(
-        self, key: BlockKey, prefer_machine: str | None = None
+        self, key: BlockKey, position: int, prefer_machine: str | None = None
     ) -> StoreRef | None: ...
 
 
-#: What the plan asks of the tiers between its steps: ("blocks", keys) or ("state", key).
+#: What the plan asks of the tiers between its steps: ("blocks", keys) or
+#: ("state", (key, position)).
 _Need = tuple[str, Any]
 
 
@@ -160,7 +164,8 @@ class HitQuery:
                 if need[0] == "blocks":
                     reply = self._ask_blocks(need[1])
                 else:
-                    reply = self._states.locate(need[1], self.local_machine)
+                    key, position = need[1]
+                    reply = self._states.locate(key, position, self.local_machine)
             except BaseException as raised:
                 error = raised
             need = _advance(steps, reply, error)
@@ -183,7 +188,8 @@ class HitQuery:
                 if need[0] == "blocks":
                     reply = await self._ask_blocks_async(self._blocks.lookup_async(need[1]))
                 else:
-                    reply = await self._states.locate_async(need[1], self.local_machine)
+                    key, position = need[1]
+                    reply = await self._states.locate_async(key, position, self.local_machine)
             except BaseException as raised:
                 error = raised
             need = _advance(steps, reply, error)
@@ -217,7 +223,7 @@ class HitQuery:
             if position is None:
                 return HitResult(l1_plan, keys, None, None, None, None, run, lease)
             swa_key = BlockKey(keys[position // block - 1].tobytes())
-            owner = yield ("state", swa_key)
+            owner = yield ("state", (swa_key, position))
             if owner is None:
                 return HitResult(l1_plan, keys, swa_key, None, None, None, run, lease)
             found = {position: owner.machine_id}
@@ -262,7 +268,7 @@ class HitQuery:
                     "token_ids", f"must hold exactly prompt_len={prompt_len} ids, got {tokens.size}"
                 )
             # Blocks past the cap can never hit: do not hash them.
-            return key_words(block_keys(self._fingerprint, tokens[: within_cap * block]))
+            return block_key_words(self._fingerprint, tokens[: within_cap * block])
         keys = key_words(keys_or_tokens, "block_keys")
         full_blocks = prompt_len // block
         if keys.shape[0] > full_blocks:
@@ -271,7 +277,14 @@ class HitQuery:
                 f"{keys.shape[0]} keys for a prompt of {prompt_len} tokens "
                 f"({full_blocks} full blocks)",
             )
-        return keys[:within_cap]
+        keys = keys[:within_cap]
+        # Each key would take a lease of its own: a repeated key is refused, not leased twice.
+        repeat = repeated_key(keys)
+        if repeat is not None:
+            raise InvalidArgument(
+                f"block_keys[{repeat}]", "repeats an earlier key (a prompt's keys never repeat)"
+            )
+        return keys
 
 
 def _advance(

@@ -72,5 +72,13 @@ class LeaseTable(Generic[L]):
         with self._lock:
             return self._leases.pop(lease_id, None)
 
+    def peek(self, lease_id: str) -> L | None:
+        """The lease, left in the table (None: unknown, taken, or past its end)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+        if lease is None or lease.until < self._clock.now():
+            return None
+        return lease
+
     def __len__(self) -> int:
         return len(self._leases)

@@ -40,9 +40,12 @@ class AsyncHitSource(Protocol):
 class TierReader(Protocol):
     """Reads whole blocks and SWA states. Missing or unreadable → ``None`` payload / state."""
 
-    def get_blocks(self, keys: Sequence[bytes], lease_id: str | None = None) -> list[BlockRead]:
+    def get_blocks(
+        self, keys: Sequence[bytes], lease_id: str | None = None, *, keep_lease: bool = False
+    ) -> list[BlockRead]:
         """One read per key, in order. With the lease of a ``query_hit`` the reads need no
-        second metadata round trip, and the lease is released once they are done."""
+        second metadata round trip, and the lease is released once they are done —
+        ``keep_lease``: not yet (more reads with it follow; ``release_lease`` ends it)."""
         ...
 
     def get_swa_state(self, key: bytes, position: int) -> StateRead: ...
@@ -73,6 +76,9 @@ class Tier(EngineTier, Protocol):
     model_fingerprint: bytes
     #: Exact size an SWA state must have (``GeometryConfig.state_size_to_disk``).
     state_size: int
+    #: Exact size of one block's payload (``GeometryConfig.block_bytes``): a tenant's put of
+    #: any other size is refused.
+    block_bytes: int
 
     def stats(self) -> Stats: ...
 

@@ -62,7 +62,7 @@ class Tally:
         self.requests: dict[str, int] = {}
         self.codes: dict[str, int] = {}
         self.blocks: dict[bytes, bytes] = {}
-        self.states: dict[bytes, bytes] = {}
+        self.states: dict[tuple[bytes, int], bytes] = {}  # (key, position) -> state
 
     def count(self, rpc: str, code: grpc.StatusCode) -> None:
         with self.lock:
@@ -194,11 +194,19 @@ def test_fuzz_query_hit(stub: pb_grpc.KVStoreStub, tally: Tally) -> None:
     assert tally.requests["QueryHit"] >= EXAMPLES
 
 
-def test_fuzz_put_blocks(stub: pb_grpc.KVStoreStub, tally: Tally) -> None:
+def test_fuzz_put_blocks(stub: pb_grpc.KVStoreStub, running: RunningService, tally: Tally) -> None:
+    # A payload is exactly one block or refused: mostly whole blocks (each a different one),
+    # sometimes a wrong size.
+    size = running.tier.block_bytes
+    whole = [np.random.default_rng(i).bytes(size) for i in range(8)]
     block = st.builds(
         lambda key, payload: pb.Block(key=key, payload=payload),
         KEYS,
-        st.binary(max_size=3000),
+        st.one_of(
+            st.sampled_from(whole),
+            st.binary(max_size=300),
+            st.sampled_from([size - 1, size + 1]).map(bytes),
+        ),
     )
     message = st.builds(
         lambda blocks, cls: pb.PutBlocksRequest(blocks=blocks, traffic_class=cls),
@@ -219,7 +227,8 @@ def test_fuzz_put_blocks(stub: pb_grpc.KVStoreStub, tally: Tally) -> None:
             return
         sent = [b for m in messages for b in m.blocks]
         assert sent, "an empty put must be refused"
-        assert all(len(b.key) == 32 and b.payload for b in sent)
+        assert all(len(b.key) == 32 and len(b.payload) == size for b in sent)
+        assert len({b.key for b in sent}) == len(sent), "a put repeating a key must be refused"
         failed = set(reply.failed_keys)
         assert reply.committed + len(failed) == len(sent)
         with tally.lock:
@@ -252,7 +261,8 @@ def test_fuzz_get_blocks(stub: pb_grpc.KVStoreStub, tally: Tally) -> None:
         expect_unauthenticated(metadata, code)
         if replies is None:
             return
-        assert [r.key for r in replies] == keys  # one answer per key, in order
+        # One answer per distinct key, in the order the keys are first given.
+        assert [r.key for r in replies] == list(dict.fromkeys(keys))
         for reply in replies:
             expected = tally.blocks.get(reply.key)
             if expected is None:
@@ -298,7 +308,7 @@ def test_fuzz_put_swa_state(
             assert len(state) == size and len(key) == 32 and position > 0 and position % 128 == 0
             assert reply.owner in machines
             with tally.lock:
-                tally.states[key] = state
+                tally.states[(key, position)] = state
 
     campaign()
     assert tally.requests["PutSWAState"] >= EXAMPLES
@@ -310,8 +320,7 @@ def test_fuzz_get_swa_state(stub: pb_grpc.KVStoreStub, tally: Tally) -> None:
     def campaign(key, position, use_known, metadata) -> None:  # type: ignore[no-untyped-def]
         with tally.lock:
             if use_known and tally.states:
-                key = next(iter(tally.states))
-                position = 128
+                key, position = next(iter(tally.states))
         request = pb.GetSWAStateRequest(key=key, position=position)
         code, reply, _ = call(
             tally,
@@ -320,7 +329,8 @@ def test_fuzz_get_swa_state(stub: pb_grpc.KVStoreStub, tally: Tally) -> None:
         )
         expect_unauthenticated(metadata, code)
         if reply is not None:
-            expected = tally.states.get(key)
+            # A state is found only at the position it was stored at.
+            expected = tally.states.get((key, position))
             assert reply.found == (expected is not None), "a stored state missed, or a ghost"
             if expected is not None:
                 assert reply.state == expected, "an SWA state read wrong"
@@ -405,7 +415,7 @@ def test_fuzz_raw_bytes_on_the_wire(channel: grpc.Channel, tally: Tally) -> None
 
 
 def test_huge_repeated_fields_and_oversized_messages(
-    stub: pb_grpc.KVStoreStub, tally: Tally
+    stub: pb_grpc.KVStoreStub, running: RunningService, tally: Tally
 ) -> None:
     too_many = [bytes(32)] * (MAX_KEYS_PER_REQUEST + 1)
     code, _, details = call(
@@ -440,16 +450,23 @@ def test_huge_repeated_fields_and_oversized_messages(
         ),
     )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    # A stream of many small messages adding up past the per-stream block limit.
-    per_message = 4096
+    # A stream of messages adding up past the per-stream byte limit (64 MiB).
+    size = running.tier.block_bytes
+    payload = bytes(size)
+    per_message = (2 << 20) // size  # well inside this server's 4 MiB message limit
     messages = (
-        pb.PutBlocksRequest(blocks=[pb.Block(key=bytes(32), payload=b"x")] * per_message)
-        for _ in range(MAX_KEYS_PER_REQUEST // per_message + 1)
+        pb.PutBlocksRequest(
+            blocks=[
+                pb.Block(key=(m * per_message + i).to_bytes(32, "big"), payload=payload)
+                for i in range(per_message)
+            ]
+        )
+        for m in range((64 << 20) // (per_message * size) + 2)
     )
     code, _, details = call(
         tally, "PutBlocks", lambda: stub.PutBlocks(messages, metadata=AUTH, timeout=120)
     )
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "blocks" in details
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "payload bytes" in details
 
 
 def test_the_server_is_alive_and_correct_after_the_fuzz(
@@ -464,7 +481,7 @@ def test_the_server_is_alive_and_correct_after_the_fuzz(
         assert client.serving()
         rng = np.random.default_rng(7)
         keys = [rng.bytes(32) for _ in range(6)]
-        payloads = [rng.bytes(10_000) for _ in keys]
+        payloads = [rng.bytes(running.tier.block_bytes) for _ in keys]
         put = client.put_blocks(keys, payloads, "agent")
         assert put.committed == 6 and not put.failed_keys
         reads = client.get_blocks(keys)

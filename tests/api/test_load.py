@@ -32,7 +32,9 @@ def running(ray_cluster, tmp_path_factory) -> Iterator[RunningService]:  # type:
 def test_concurrent_clients_see_no_errors_and_exact_bytes(
     running: RunningService, record_property: Callable[[str, object], None]
 ) -> None:
-    config = GrpcLoadConfig(clients=8, seconds=6.0, token=TOKEN, block_bytes=16_384)
+    config = GrpcLoadConfig(
+        clients=8, seconds=6.0, token=TOKEN, block_bytes=running.tier.block_bytes
+    )
     report = run_grpc_load(running.address, config, seed=1)
     summary = report.as_dict()
     for name in ("requests", "qps", "p50_ms", "p99_ms"):

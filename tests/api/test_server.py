@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from certs import self_signed
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -63,7 +63,7 @@ def test_every_rpc_round_trips(running: RunningService, client: KVStoreClient) -
     fingerprint = running.tier.model_fingerprint
     tokens = np.random.default_rng(11).integers(0, 128_000, 128 * 12 + 150, dtype=np.uint32)
     keys = block_keys(fingerprint, tokens)
-    payloads = _payloads(keys[:8], 20_000)
+    payloads = _payloads(keys[:8], running.tier.block_bytes)
 
     put = client.put_blocks(keys[:8], payloads, "agent")
     assert put.committed == 8 and not put.failed_keys
@@ -241,7 +241,7 @@ def test_keys_sent_packed_or_one_by_one_get_the_same_plan_in_the_same_form(
     fingerprint = running.tier.model_fingerprint
     tokens = np.random.default_rng(23).integers(0, 128_000, 128 * 6 + 140, dtype=np.uint32)
     keys = block_keys(fingerprint, tokens)
-    client.put_blocks(keys[:4], _payloads(keys[:4], 5_000), "chatbot")
+    client.put_blocks(keys[:4], _payloads(keys[:4], running.tier.block_bytes), "chatbot")
     common = {"prompt_len": int(tokens.size), "traffic_class": "chatbot"}
     packed = stub.QueryHit(
         pb.QueryHitRequest(block_keys_packed=b"".join(keys), **common), metadata=AUTH
@@ -302,29 +302,7 @@ def test_metrics_endpoint_exports_figures(running: RunningService, client: KVSto
 def test_tls_server_round_trips(ray_cluster, tmp_path: Path, running: RunningService) -> None:  # type: ignore[no-untyped-def]
     from kvstore.api.gateway import Gateway
 
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    cert, key = self_signed(tmp_path)
     gateway = Gateway(running.tier, ServerOptions(tls_cert=cert, tls_key=key))
     try:
         with KVStoreClient(gateway.address, tls_root_cert=cert) as secure:

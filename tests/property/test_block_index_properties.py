@@ -179,7 +179,6 @@ class IndexMachine(RuleBasedStateMachine):
         # Rows never exceed the most blocks ever live at once (freed rows are reused).
         assert self.index._high <= len(KEY_SPACE)
 
-
     @invariant()
     def the_c_probe_agrees_with_the_numpy_reference(self) -> None:
         words = key_words(KEY_SPACE)  # live, removed (tombstones) and never-written keys

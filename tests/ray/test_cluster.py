@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 
 import pytest
@@ -15,6 +17,25 @@ from kvstore.runtime.cluster import LocalCluster, alive_node_ids, pin_to_machine
 class _WhereAmI:
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def ray_auth(self) -> tuple[str | None, str | None]:
+        return os.environ.get("RAY_AUTH_MODE"), os.environ.get("RAY_AUTH_TOKEN_PATH")
+
+
+def test_every_machine_runs_with_token_auth_and_one_private_token_file(
+    ray_cluster: LocalCluster,
+) -> None:
+    token = ray_cluster.token_path
+    assert token is not None and token.is_file()
+    assert stat.S_IMODE(token.stat().st_mode) & 0o077 == 0  # nobody else reads it
+    actors = [_WhereAmI.options(**pin_to_machine(m)).remote() for m in ray_cluster.machines]
+    try:
+        # Workers on every machine were started by raylets that inherited the driver's choice.
+        seen = ray.get([a.ray_auth.remote() for a in actors], timeout=60)
+        assert seen == [("token", str(token))] * len(actors)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
 
 
 def test_actors_land_on_the_machine_they_are_pinned_to(ray_cluster: LocalCluster) -> None:

@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import signal
 import socket
+import struct
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from certs import self_signed
 
+from kvstore.runtime import fastcall
 from kvstore.runtime.fastcall import (
     HANDSHAKE_TIMEOUT_S,
+    MAX_HANDSHAKES,
+    ClientTLS,
     FastCallServer,
     FastChannel,
     RemoteError,
+    ServerTLS,
     connect,
     wait_ready,
 )
@@ -202,3 +210,182 @@ def test_after_reply_work_runs_once_the_reply_is_out() -> None:
         assert after_ran.wait(10)
     finally:
         server.close()
+
+
+# --- the wire: data only, bounded ---------------------------------------------------------------
+
+
+def test_an_argument_the_wire_does_not_carry_is_refused_before_any_socket_is_used(
+    served,
+) -> None:
+    server, _ = served
+    channel = FastChannel(server.endpoint)
+    _call(channel, "double", np.ones(1))
+    with pytest.raises(TypeError, match="cannot cross the wire"):
+        channel.start("double", (object(),))
+    assert len(channel._free) == 1  # the pooled connection was not spent on it
+    assert np.array_equal(_call(channel, "double", np.ones(2)), [2, 2])
+
+
+def test_an_answer_the_wire_does_not_carry_is_a_remote_error() -> None:
+    lock = threading.Lock()
+
+    class Odd(Target):
+        def odd(self) -> object:
+            return {1, 2}
+
+    server = FastCallServer(Odd(lock), ("odd", "double"), lock)
+    try:
+        channel = FastChannel(server.endpoint)
+        with pytest.raises(RemoteError, match="TypeError: builtins.set cannot cross the wire"):
+            _call(channel, "odd")
+        assert np.array_equal(_call(channel, "double", np.ones(1)), [2])  # same connection
+    finally:
+        server.close()
+
+
+def test_a_frame_over_the_limit_drops_only_that_peer() -> None:
+    lock = threading.Lock()
+    server = FastCallServer(Target(lock), ("double",), lock, frame_limit=4096)
+    try:
+        big = FastChannel(server.endpoint)
+        with pytest.raises((OSError, EOFError)):
+            _call(big, "double", np.ones(1024))  # 8 KiB: the server hangs up unread
+        assert np.array_equal(_call(FastChannel(server.endpoint), "double", np.ones(4)), [2] * 4)
+    finally:
+        server.close()
+
+
+class WritesMarker:
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (self.path, "w"))
+
+
+def test_a_key_holding_peer_answering_a_pickle_runs_nothing_in_the_caller(tmp_path: Path) -> None:
+    """Even a peer that passes the challenge (it holds the key) cannot make the caller load
+    code: the reply is refused and the connection dropped, as a broken one is."""
+    marker = tmp_path / "ran-in-the-caller"
+    listener = socket.create_server(("127.0.0.1", 0))
+    lock = threading.Lock()
+    rogue = FastCallServer(Target(lock), (), lock)  # its handshake, on the listener's address
+    rogue.close()
+    rogue.endpoint = (*listener.getsockname(), rogue.endpoint[2])
+
+    def serve() -> None:
+        peer, _ = listener.accept()
+        conn = rogue._handshake(peer)
+        assert conn is not None
+        conn.recv_frame()
+        conn.send_bytes(pickle.dumps(WritesMarker(marker)))
+        with pytest.raises(EOFError):
+            conn.recv_frame(deadline=time.monotonic() + 10)  # the caller hangs up
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        channel = FastChannel(rogue.endpoint)
+        with pytest.raises(ConnectionError, match="bad reply"):
+            _call(channel, "double", np.ones(1))
+        assert not channel.idle()  # that connection is gone, not pooled
+        thread.join(10)
+        assert not marker.exists()
+    finally:
+        listener.close()
+
+
+# --- the handshake: mutual, bounded ----------------------------------------------------------
+
+
+def test_the_handshake_ends_in_time_however_slowly_a_peer_sends(served, monkeypatch) -> None:
+    server, _ = served
+    monkeypatch.setattr(fastcall, "HANDSHAKE_TIMEOUT_S", 0.5)
+    with socket.create_connection(server.endpoint[:2]) as sock:
+        started = time.monotonic()
+        sock.recv(4096)  # the challenge
+        sock.sendall(struct.pack(">I", 64))
+        sock.settimeout(0.1)
+        closed = False
+        while time.monotonic() - started < 3.0 and not closed:
+            try:
+                sock.sendall(b"x")  # a byte at a time, each well within any per-read timeout
+                closed = sock.recv(1) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+        assert closed and time.monotonic() - started < 1.5
+
+
+def test_peers_beyond_the_handshake_limit_are_turned_away_at_once(served) -> None:
+    server, _ = served
+    silent = [socket.create_connection(server.endpoint[:2]) for _ in range(MAX_HANDSHAKES)]
+    try:
+        for sock in silent:
+            sock.recv(4096)  # each is being handshaken: it got its challenge
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match="turned the connection away"):
+            connect(server.endpoint)
+        assert time.monotonic() - started < HANDSHAKE_TIMEOUT_S / 2  # not after a timeout
+    finally:
+        for sock in silent:
+            sock.close()  # their handshakes end at once: room again
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+    while True:
+        try:
+            connect(server.endpoint).close()
+            break
+        except ConnectionError:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+
+# --- TLS -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    folder = tmp_path_factory.mktemp("tls")
+    return {name: self_signed(folder, name, common_name=name) for name in ("server", "other")}
+
+
+@pytest.fixture
+def tls_served(certificates) -> tuple[FastCallServer, Target]:
+    lock = threading.Lock()
+    target = Target(lock)
+    server = FastCallServer(target, ("double",), lock, tls=ServerTLS(*certificates["server"]))
+    yield server, target
+    server.close()
+
+
+def test_a_call_round_trips_over_tls(tls_served, certificates) -> None:
+    server, target = tls_served
+    for trust in (
+        ClientTLS(certificates["server"][0]),
+        ClientTLS(certificates["server"][0], "localhost"),
+    ):
+        channel = FastChannel(server.endpoint, tls=trust)
+        values = np.arange(4000, dtype=np.uint64).reshape(1000, 4)
+        for _ in range(2):
+            assert np.array_equal(_call(channel, "double", values), values * 2)
+        assert len(channel._free) == 1
+        channel.close()
+    assert target.calls == 4
+
+
+def test_a_tls_client_refuses_a_certificate_its_ca_did_not_sign(tls_served, certificates) -> None:
+    server, target = tls_served
+    with pytest.raises(PermissionError, match="certificate"):
+        connect(server.endpoint, tls=ClientTLS(certificates["other"][0]))
+    with pytest.raises(PermissionError, match="(?i)hostname"):  # right CA, another name
+        connect(server.endpoint, tls=ClientTLS(certificates["server"][0], "elsewhere"))
+    assert target.calls == 0
+
+
+def test_a_plain_client_gets_nothing_from_a_tls_server(tls_served) -> None:
+    server, target = tls_served
+    with pytest.raises(TimeoutError):  # it waits for a challenge that TLS never sends in clear
+        connect(server.endpoint, timeout_s=0.3)
+    assert target.calls == 0

@@ -99,8 +99,7 @@ def test_importing_the_logic_packages_loads_no_ray() -> None:
     logic = sorted(
         module
         for module in package_sources()
-        if not _within(module, WIRING)
-        and not module.startswith("kvstore.api.v1")
+        if not _within(module, WIRING) and not module.startswith("kvstore.api.v1")
     )
     code = "import sys\n" + "".join(f"import {m}\n" for m in logic)
     code += "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"

@@ -22,7 +22,8 @@ from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidArgument, LeaseError, Overloaded, StoreError
 from kvstore.hitplan import plan_hit
-from kvstore.keys import BlockKey, block_keys, key_words
+from kvstore.keys import BlockKey, block_keys, key_words, words_to_keys
+from kvstore.tenants import namespaced
 from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, StateRead, Stats
 
 FINGERPRINT = GEOMETRY.fingerprint()
@@ -38,6 +39,7 @@ class ScriptedTier:
 
     model_fingerprint: bytes = FINGERPRINT
     state_size: int = STATE
+    block_bytes: int = 10
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     raises: dict[str, BaseException] = field(default_factory=dict)
     gate: threading.Event | None = None
@@ -61,7 +63,9 @@ class ScriptedTier:
         self._enter("release_lease", lease_id=lease_id)
         return lease_id == "lease-1"
 
-    def get_blocks(self, keys: Sequence[bytes], lease_id: str | None = None) -> list[BlockRead]:
+    def get_blocks(
+        self, keys: Sequence[bytes], lease_id: str | None = None, *, keep_lease: bool = False
+    ) -> list[BlockRead]:
         self._enter("get_blocks", keys=list(keys), lease_id=lease_id)
         return [
             BlockRead(BlockKey(key), b"payload-%d" % i, degraded=i == 1)
@@ -77,7 +81,10 @@ class ScriptedTier:
         return StateRead(None, miss_reason="not_in_directory_or_owner_lost")
 
     def put_blocks(
-        self, keys: Sequence[bytes], payloads: Sequence[bytes], traffic_class: str = ""
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[bytes],
+        traffic_class: str = "",
     ) -> PutAnswer:
         self._enter("put_blocks", keys=list(keys), payloads=list(payloads), cls=traffic_class)
         return PutAnswer(
@@ -112,6 +119,12 @@ def scripted() -> Iterator[tuple[ScriptedTier, pb_grpc.KVStoreStub, Gateway]]:
         gateway.stop()
 
 
+def stored(gateway: Gateway, keys: Sequence[bytes]) -> list[bytes]:
+    """The keys as the tier sees them: in the (only) tenant's namespace."""
+    salt = gateway.tenants.default().salt
+    return [bytes(k) for k in words_to_keys(namespaced(salt, key_words(list(keys))))]
+
+
 def code_of(call: Any) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as error:
         call()
@@ -126,7 +139,7 @@ def keys_of(n: int) -> list[bytes]:
 
 
 def test_query_hit_takes_each_key_form_and_answers_in_it(scripted) -> None:  # type: ignore[no-untyped-def]
-    tier, stub, _ = scripted
+    tier, stub, gateway = scripted
     tokens = np.arange(5 * 128 + 140, dtype=np.uint32)
     expected = block_keys(FINGERPRINT, tokens)
     reply = stub.QueryHit(
@@ -142,7 +155,8 @@ def test_query_hit_takes_each_key_form_and_answers_in_it(scripted) -> None:  # t
     assert method == "query_hit" and args["prompt_len"] == tokens.size
     assert args["mode"] == "bounded-replay" and args["traffic_class"] == "agent"
     assert args["take_lease"] is True
-    assert key_words(args["block_keys"]).tobytes() == b"".join(expected)  # hashed by the server
+    # Hashed by the server, then namespaced: the tier never sees the keys a client computes.
+    assert key_words(args["block_keys"]).tobytes() == b"".join(stored(gateway, expected))
     assert reply.plan.hit_tokens == 640 and reply.plan.swa_owner == "m1"
     assert reply.advice == pb.ADVICE_REPLAY and reply.lease_id == "lease-1"
     assert (reply.fetch_seconds, reply.replay_seconds) == (0.25, 0.125)
@@ -164,7 +178,7 @@ def test_query_hit_takes_each_key_form_and_answers_in_it(scripted) -> None:  # t
 
 
 def test_put_blocks_streams_and_answers_every_outcome(scripted) -> None:  # type: ignore[no-untyped-def]
-    tier, stub, _ = scripted
+    tier, stub, gateway = scripted
     keys = keys_of(6)
     messages = [
         pb.PutBlocksRequest(
@@ -174,23 +188,27 @@ def test_put_blocks_streams_and_answers_every_outcome(scripted) -> None:  # type
     ]
     reply = stub.PutBlocks(iter(messages), metadata=AUTH)
     method, args = tier.calls[-1]
-    assert method == "put_blocks" and args["keys"] == keys and args["cls"] == "chatbot"
+    assert args["keys"] == stored(gateway, keys)
+    assert method == "put_blocks" and args["cls"] == "chatbot"
     assert args["payloads"] == [b"x" * 10] * 4 + [b"y" * 10] * 2
     assert (reply.committed, reply.existing) == (4, 1)
     assert list(reply.busy_keys) == [keys[4]] and list(reply.failed_keys) == [keys[5]]
     with KVStoreClient(_address(scripted), token=TOKEN) as client:
-        answer = client.put_blocks(keys, [b"z"] * 6)
+        answer = client.put_blocks(keys, [b"z" * 10] * 6)
     assert (answer.stored, answer.existing, answer.committed) == (3, 1, 4)
     assert answer.busy_keys == (keys[4],) and answer.failed_keys == (keys[5],)
 
 
 def test_get_blocks_streams_reads_in_order(scripted) -> None:  # type: ignore[no-untyped-def]
-    tier, stub, _ = scripted
+    tier, stub, gateway = scripted
     keys = keys_of(3)
+    taken = stub.QueryHit(pb.QueryHitRequest(token_ids=[1], take_lease=True), metadata=AUTH)
+    assert taken.lease_id == "lease-1"
     replies = list(
         stub.GetBlocks(pb.GetBlocksRequest(keys=keys, lease_id="lease-1"), metadata=AUTH)
     )
-    assert tier.calls[-1] == ("get_blocks", {"keys": keys, "lease_id": "lease-1"})
+    assert tier.calls[-2] == ("get_blocks", {"keys": stored(gateway, keys), "lease_id": "lease-1"})
+    assert tier.calls[-1] == ("release_lease", {"lease_id": "lease-1"})  # once the stream ended
     assert [r.key for r in replies] == keys
     assert [r.found for r in replies] == [True, True, False]
     assert [r.degraded for r in replies] == [False, True, False]
@@ -215,6 +233,9 @@ def test_swa_states_lease_release_and_stats(scripted) -> None:  # type: ignore[n
     assert found.found and found.owner == "m2" and len(found.state) == STATE
     missing = stub.GetSWAState(pb.GetSWAStateRequest(key=key, position=256), metadata=AUTH)
     assert not missing.found and missing.miss_reason == "not_in_directory_or_owner_lost"
+    # Only a lease this tenant took is released.
+    assert not stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id="lease-1"), metadata=AUTH).released
+    stub.QueryHit(pb.QueryHitRequest(token_ids=[1], take_lease=True), metadata=AUTH)
     assert stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id="lease-1"), metadata=AUTH).released
     assert not stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id="x"), metadata=AUTH).released
     stats = stub.GetStats(pb.GetStatsRequest(), metadata=AUTH)
@@ -315,16 +336,22 @@ def test_tier_errors_map_to_status_codes_and_the_server_keeps_serving(
         lambda: stub.QueryHit(pb.QueryHitRequest(token_ids=[1, 2]), metadata=AUTH),
         lambda: list(stub.GetBlocks(pb.GetBlocksRequest(keys=[bytes(32)]), metadata=AUTH)),
         lambda: stub.PutBlocks(
-            iter([pb.PutBlocksRequest(blocks=[pb.Block(key=bytes(32), payload=b"p")] * 3)]),
+            iter(
+                [
+                    pb.PutBlocksRequest(
+                        blocks=[pb.Block(key=k, payload=b"p" * 10) for k in keys_of(3)]
+                    )
+                ]
+            ),
             metadata=AUTH,
         ),
         lambda: stub.PutSWAState(
             pb.PutSWAStateRequest(key=bytes(32), position=128, state=b"s" * STATE), metadata=AUTH
         ),
         lambda: stub.GetSWAState(pb.GetSWAStateRequest(key=bytes(32), position=128), metadata=AUTH),
-        lambda: stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id="l"), metadata=AUTH),
         lambda: stub.GetStats(pb.GetStatsRequest(), metadata=AUTH),
     ]
+    # (ReleaseLease reaches the tier only for a lease this tenant holds: none here.)
     for call in calls:
         assert code_of(call) == status
     tier.raises.clear()
@@ -376,7 +403,7 @@ def test_the_servicer_in_front_of_the_in_process_cluster(tmp_path) -> None:  # t
         with KVStoreClient(gateway.address) as client:
             tokens = np.random.default_rng(4).integers(0, 100_000, 6 * 128 + 150)
             keys = block_keys(FINGERPRINT, tokens)[:6]  # 7 full blocks; 6 inside the cap
-            payloads = [bytes([i]) * 2000 for i in range(6)]
+            payloads = [bytes([i]) * GEOMETRY.block_bytes for i in range(6)]
             assert client.put_blocks(keys, payloads, "agent").stored == 6
             answer = client.query_hit(HitRequest(token_ids=tokens, traffic_class="agent"))
             # L = 918: cap 784 → L1 = 768; no state at L1 → hit 640, five blocks to load.

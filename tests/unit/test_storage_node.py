@@ -45,6 +45,12 @@ def _files(node: StorageNode, keys: list[bytes]) -> list[np.ndarray | None]:
     return split_files(node.get(keys))
 
 
+def _disk_bytes(data_dir: Path) -> int:
+    """Disk bytes of the shard files (committed and pending) under ``data_dir``."""
+    files = [*(data_dir / "shards").iterdir(), *(data_dir / "pending").iterdir()]
+    return sum(path.lstat().st_blocks * 512 for path in files)
+
+
 @pytest.mark.parametrize("fsync", ["always", "batch", "never"])
 def test_pending_shards_are_invisible_until_committed(tmp_path: Path, fsync: str) -> None:
     node = StorageNode(3, tmp_path, StorageNodeConfig(fsync=fsync))
@@ -81,13 +87,14 @@ def test_a_restarted_node_serves_its_committed_shards_and_keeps_pending_ones(
     del node
     again = StorageNode(0, tmp_path)  # a crash and restart: only the directory survives
     assert [bytes(f) for f in _files(again, [_key(1), _key(2)])] == [bytes(f) for f in before]
-    assert again.usage() == {
+    usage = again.usage()
+    assert {k: usage[k] for k in ("node_id", "bytes_used", "shards", "pending")} == {
         "node_id": 0,
         "bytes_used": used,
-        "capacity_bytes": StorageNodeConfig().capacity_bytes,
         "shards": 2,
         "pending": 1,
     }
+    assert used == _disk_bytes(tmp_path)  # the blocks the files take, found again by a scan
     assert again.commit(5, [_key(3)]) == [True]  # the pending write can still commit
     table = again.manifest()
     assert sorted(table.column("key").to_pylist()) == sorted([_key(1), _key(2), _key(3)])
@@ -125,7 +132,8 @@ def test_torn_files_found_at_start_go_to_quarantine(tmp_path: Path) -> None:
 def test_bad_shards_and_full_disks_are_refused(tmp_path: Path) -> None:
     key, _, shards, digest = _block(1)
     other, _, other_shards, _ = _block(2)
-    node = StorageNode(0, tmp_path, StorageNodeConfig(capacity_bytes=700))
+    block = os.statvfs(tmp_path).f_bsize  # a ~500-byte shard file takes one disk block
+    node = StorageNode(0, tmp_path, StorageNodeConfig(capacity_bytes=block * 3 // 2))
     flipped = shards[0].copy()
     flipped[100] ^= 1
     results = node.put(
@@ -219,3 +227,56 @@ def test_orphans_are_reclaimed_only_after_the_grace_period(tmp_path: Path) -> No
     assert sorted(asked[-1]) == sorted([_key(1), _key(2)])
     assert node.holds([_key(1), _key(2)]) == [True, False]
     assert node.usage()["pending"] == 0
+
+
+def test_usage_counts_disk_blocks_through_put_retry_commit_replace_abort_delete(
+    tmp_path: Path,
+) -> None:
+    node = StorageNode(0, tmp_path, StorageNodeConfig(fsync="never"))
+    _put(node, 5, [1, 2, 3])
+    _put(node, 5, [1])  # a retried put of the same shard replaces its pending file
+    assert node.usage()["bytes_used"] == _disk_bytes(tmp_path) > 0
+    node.commit(5, [_key(1), _key(2)])
+    _put(node, 6, [1])
+    node.commit(6, [_key(1)])  # a newer write of key 1 replaces the committed one
+    assert node.usage()["bytes_used"] == _disk_bytes(tmp_path)
+    node.abort(5, [_key(3)])
+    node.delete([_key(2)])
+    assert node.usage() | {"headroom_bytes": 0, "capacity_bytes": 0} == {
+        "node_id": 0,
+        "bytes_used": _disk_bytes(tmp_path),
+        "capacity_bytes": 0,
+        "capacity_from_disk": 1,
+        "filesystem": node.usage()["filesystem"],
+        "headroom_bytes": 0,
+        "shards": 1,
+        "pending": 0,
+    }
+
+
+def test_capacity_from_the_disk_keeps_the_reserve_free(tmp_path: Path) -> None:
+    # A reserve as large as the whole disk: nothing may be written, whatever is free.
+    full = StorageNode(0, tmp_path / "a", StorageNodeConfig(disk_reserve_fraction=0.999999))
+    assert _put(full, 5, [1]) == [False]
+    usage = full.usage()
+    assert (usage["headroom_bytes"], usage["capacity_bytes"], usage["bytes_used"]) == (0, 0, 0)
+    assert usage["capacity_from_disk"] == 1
+    # No reserve: the node may hold what it holds plus what the disk has free.
+    roomy = StorageNode(
+        1, tmp_path / "b", StorageNodeConfig(disk_reserve_fraction=0, disk_reserve_bytes=0)
+    )
+    assert _put(roomy, 5, [1]) == [True]
+    usage = roomy.usage()
+    disk = os.statvfs(tmp_path)
+    free = disk.f_bavail * disk.f_frsize
+    assert usage["capacity_bytes"] == usage["bytes_used"] + usage["headroom_bytes"]
+    # What the disk has free, as it was a moment ago: other processes on this machine write
+    # and delete meanwhile (a bound taken before the node's own statvfs failed when the disk
+    # freed 78 KB in between).
+    assert 0 < usage["headroom_bytes"] and abs(usage["headroom_bytes"] - free) < 1 << 30
+    same_disk = {full.usage()["filesystem"], roomy.usage()["filesystem"]}
+    assert len(same_disk) == 1  # both dirs are on one filesystem: one identity
+    # An explicit capacity is the operator's, whatever the disk says.
+    fixed = StorageNode(2, tmp_path / "c", StorageNodeConfig(capacity_bytes=10**15))
+    assert fixed.usage()["capacity_bytes"] == 10**15
+    assert fixed.usage()["capacity_from_disk"] == 0

@@ -239,6 +239,7 @@ def test_a_reader_for_another_process_reads_with_a_lease_id_it_does_not_hold(
         swa=None,
         geometry=GEOMETRY,
         state_size=STATE,
+        block_bytes=GEOMETRY.block_bytes,
         clock=parts.clock,
         foreign_leases=True,
     )

@@ -64,17 +64,19 @@ class Blocks:
 @dataclass
 class States:
     where: dict[BlockKey, StoreRef] = field(default_factory=dict)
-    asked: list[tuple[BlockKey, str | None]] = field(default_factory=list)
+    asked: list[tuple[BlockKey, int, str | None]] = field(default_factory=list)
 
-    def locate(self, key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None:
-        self.asked.append((key, prefer_machine))
+    def locate(
+        self, key: BlockKey, position: int, prefer_machine: str | None = None
+    ) -> StoreRef | None:
+        self.asked.append((key, position, prefer_machine))
         return self.where.get(key)
 
     async def locate_async(
-        self, key: BlockKey, prefer_machine: str | None = None
+        self, key: BlockKey, position: int, prefer_machine: str | None = None
     ) -> StoreRef | None:
         await asyncio.sleep(0)  # a real await: the plan must survive being suspended here
-        return self.locate(key, prefer_machine)
+        return self.locate(key, position, prefer_machine)
 
 
 class Driven:
@@ -144,7 +146,7 @@ def test_full_run_with_state_found_hits_l1_and_names_the_owner() -> None:
         assert result.miss_plan is not None and not result.miss_plan.swa_hit
     # Only the 6 blocks inside the cap were asked about (and leased), never the 7th.
     assert blocks.asked == [6, 6]
-    assert states.asked == [(keys[5], "m0")] * 2
+    assert states.asked == [(keys[5], 6 * 128, "m0")] * 2
 
 
 def test_state_missing_backs_off_one_block_in_standard_mode() -> None:
@@ -255,7 +257,7 @@ def test_an_unreachable_block_tier_is_a_miss_not_an_error() -> None:
 def test_the_lease_is_released_when_planning_fails_after_it_was_taken() -> None:
     query, blocks, states, keys = setup(1000, 7, {768: M1})
 
-    def broken(key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None:
+    def broken(key: BlockKey, position: int, prefer_machine: str | None = None) -> StoreRef | None:
         raise RuntimeError("bug in a locator")
 
     states.locate = broken  # type: ignore[method-assign]

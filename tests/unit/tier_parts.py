@@ -56,6 +56,7 @@ class InProcessTier:
             swa=self.swa,
             geometry=GEOMETRY,
             state_size=GEOMETRY.state_size_to_disk,
+            block_bytes=GEOMETRY.block_bytes,
             control=LocalControl(self.blocks),
             max_open_leases=max_open_leases,
             clock=self.clock,

@@ -96,12 +96,14 @@ class Block(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class PutBlocksRequest(_message.Message):
-    __slots__ = ("blocks", "traffic_class")
+    __slots__ = ("blocks", "traffic_class", "shared")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[Block]
     traffic_class: str
-    def __init__(self, blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ..., traffic_class: _Optional[str] = ...) -> None: ...
+    shared: bool
+    def __init__(self, blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ..., traffic_class: _Optional[str] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class PutBlocksResponse(_message.Message):
     __slots__ = ("committed", "failed_keys", "existing", "busy_keys")
@@ -138,16 +140,18 @@ class GetBlocksResponse(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., found: _Optional[bool] = ..., payload: _Optional[bytes] = ..., miss_reason: _Optional[str] = ..., degraded: _Optional[bool] = ...) -> None: ...
 
 class PutSWAStateRequest(_message.Message):
-    __slots__ = ("key", "position", "state", "machine")
+    __slots__ = ("key", "position", "state", "machine", "shared")
     KEY_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MACHINE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     position: int
     state: bytes
     machine: str
-    def __init__(self, key: _Optional[bytes] = ..., position: _Optional[int] = ..., state: _Optional[bytes] = ..., machine: _Optional[str] = ...) -> None: ...
+    shared: bool
+    def __init__(self, key: _Optional[bytes] = ..., position: _Optional[int] = ..., state: _Optional[bytes] = ..., machine: _Optional[str] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class PutSWAStateResponse(_message.Message):
     __slots__ = ("owner",)

@@ -91,7 +91,8 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetBlocks(self, request, context):
-        """Read blocks; one reply message per block, in request order.
+        """Read blocks; one reply message per distinct key, in the order the keys are first given
+        (a key given twice is answered once). Read in bounded batches as the client takes them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import ray
 
-from kvstore.chaos.faults import crash_machine, kill_node
+from kvstore.chaos.faults import crash_machine, kill_node, kill_nodes
 from kvstore.chaos.load import LoadConfig, LoadGenerator
 from kvstore.chaos.scenarios.base import absorb_load, seconds_or_violation
 from kvstore.chaos.table import ScenarioResult
@@ -123,26 +123,35 @@ def kill_three(tier: ChaosTier) -> ScenarioResult:
     # stop counting exactly at the first lost block (not trivially at 0).
     placements = tier.placements()
     victims: tuple[int, ...] = ()
-    first_lost = 0
     for triple in itertools.combinations(sorted(tier.handles.nodes), 3):
         lost = [i for i, key in enumerate(keys) if _lost_under(placements[key], set(triple), k)]
         if lost and 0 < lost[0] < blocks - 1:
-            victims, first_lost = triple, lost[0]
+            victims = triple
             break
     if not victims:
         raise RuntimeError("no 3 nodes cut this prompt's blocks in the middle")
     dead = set(victims)
-    expected_lost = {key for key, p in placements.items() if _lost_under(p, dead, k)}
-    expected_lost &= set(tier.ledger.keys())
+    planned_lost = {key for key, p in placements.items() if _lost_under(p, dead, k)}
+    planned_lost &= set(tier.ledger.keys())
     result.details["victims"] = list(victims)
-    result.details["blocks_beyond_promise"] = len(expected_lost)
-    for node in victims:
-        kill_node(tier, node, restart=False)
+    kill_nodes(tier, victims, restart=False)
     result.faults = 3
     detect = wait_until(lambda: dead <= tier.dead_nodes(), config.detect_timeout_s)
     result.detect_s = seconds_or_violation(
         result, detect, "detecting 3 dead nodes", config.detect_timeout_s
     )
+    # What is lost is decided by the index once all three are dead, not by the plan: the kills
+    # land a few ms apart, and a repair step that ran in between may have rebuilt a planned
+    # victim's shard elsewhere (a stripe it could still decode). After the barrier no step that
+    # read a victim's shard is under way, and a stripe with fewer than k live shards can never
+    # be rebuilt, so this set is final for as long as the victims stay dead.
+    tier.repair_barrier()
+    now = tier.placements()
+    expected_lost = {key for key in tier.ledger.keys() if _lost_under(now.get(key, ()), dead, k)}
+    result.details["blocks_beyond_promise"] = len(expected_lost)
+    result.details["rescued_by_repair_between_kills"] = len(planned_lost - expected_lost)
+    lost_in_prompt = [i for i, key in enumerate(keys) if key in expected_lost]
+    first_lost = lost_in_prompt[0] if lost_in_prompt else blocks
 
     # QueryHit stops counting at the first lost block; the service answers, bounded, no errors.
     started = time.monotonic()
@@ -164,10 +173,13 @@ def kill_three(tier: ChaosTier) -> ScenarioResult:
     result.wrong_bytes += check.wrong
     result.expected_misses += len(missed & expected_lost)
     result.failed_reads += len(missed - expected_lost)
-    result.require(
-        expected_lost <= missed | set(check.wrong_keys),
-        "a block with fewer than k shards left was served",
-    )
+    served = expected_lost - missed - set(check.wrong_keys)
+    if served:  # what the index says, for whoever debugs it
+        result.details["served_beyond_promise"] = [
+            {"key": key.hex()[:16], "placed": placements[key], "now": now.get(key)}
+            for key in sorted(served)[:5]
+        ]
+    result.require(not served, "a block with fewer than k shards left was served")
     attempt = tier.put(tier.new_keys(4))
     result.operations += 4
     result.details["put_with_10_nodes"] = {

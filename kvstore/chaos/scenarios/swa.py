@@ -21,7 +21,7 @@ from kvstore.chaos.faults import crash_machine
 from kvstore.chaos.scenarios.base import seconds_or_violation
 from kvstore.chaos.table import ScenarioResult
 from kvstore.chaos.tier import ChaosTier, wait_until
-from kvstore.keys import BlockKey, block_keys
+from kvstore.keys import BlockKey, block_keys, state_slot
 from kvstore.swa.client import SWAClient
 from kvstore.swa.directory import ShardMap
 from kvstore.tier.records import HitAnswer, HitRequest
@@ -76,10 +76,12 @@ def swa_loss(tier: ChaosTier) -> ScenarioResult:
     states: dict[BlockKey, _State] = {}
 
     def put_state(machine: str, key: BlockKey, position: int) -> None:
+        # Where the tier keeps a state: under its block key bound to its position.
+        slot = state_slot(key, position)
         blob = rng.integers(0, 256, state_bytes, dtype=np.uint8)
-        client.put(machine, key, position, blob)
+        client.put(machine, slot, position, blob)
         result.operations += 1
-        states[key] = _State(machine, position, blob)
+        states[slot] = _State(machine, position, blob)
 
     put_state(victim, prompt[-1], blocks * geometry.block_tokens)
     for machine in tier.swa_machines():
@@ -211,9 +213,10 @@ def swa_loss(tier: ChaosTier) -> ScenarioResult:
     def taken_back() -> bool:
         # The first put to a store that was replaced fails (StoreError: the client still held
         # the old actor); an engine tries again, and the retry finds the new store by name.
-        if fresh not in states:
+        slot = state_slot(fresh, geometry.block_tokens)
+        if slot not in states:
             put_state(victim, fresh, geometry.block_tokens)
-        return all(client.lookup([fresh, *survivors]))
+        return all(client.lookup([slot, *survivors]))
 
     healed = wait_until(taken_back, config.repair_timeout_s)
     seconds_or_violation(

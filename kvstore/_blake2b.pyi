@@ -1,0 +1,6 @@
+"""Types of the C extension built from ``_blake2b.c``."""
+
+from typing import Any
+
+def keyed_hash(salt: bytes, keys: Any, out: Any) -> None: ...
+def chain_keys(prefix: bytes, parent: bytes, tokens: Any, out: Any) -> None: ...

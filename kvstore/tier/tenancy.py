@@ -1,0 +1,446 @@
+"""One tenant's view of a tier: its keys namespaced, its policy applied (SPEC §10).
+
+``TenantView`` wraps any ``kvstore.tier.protocols.Tier`` (the cluster, a directory of files) and
+is itself one. Every key a tenant sends is mapped into its namespace
+(``kvstore.tenants.namespaced``: BLAKE2b keyed with the tenant's secret salt) before the tier
+sees it, and every key it answers with is the caller's own again. A key another tenant computed
+from the same tokens is therefore a different key in the tier: never found, never read, never
+overwritten — which is what makes the first-writer-wins block store and the last-writer-wins
+SWA directory safe to share.
+
+A tenant allowed to read the shared namespace (public system prompts) gets the run of shared
+blocks first and its own blocks after it; only the trusted writer role (``shared = "write"``)
+writes there. Its leases are its own: an id handed to one tenant is unknown to every other, and
+their number is capped per tenant, so one tenant cannot push another's leases out of the tier's
+bounded table. Policy (classes, quotas, payload sizes, the shared role) is checked before the
+tier is asked anything, so a refused request acquires nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvstore.clock import Clock, SystemClock
+from kvstore.errors import Forbidden, InvalidArgument, LeaseError, Overloaded
+from kvstore.keys import block_key_words, check_key, check_keys, key_words, words_to_keys
+from kvstore.tenants import MAX_TENANT_LEASES, Tenant, namespaced, namespaced_key
+from kvstore.tier.leases import LeaseTable
+from kvstore.tier.protocols import AsyncHitSource, Tier
+from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, StateRead, Stats
+
+#: Open leases one tenant may hold when the operator set no ``max_leases`` (the tier's table
+#: holds 100,000: ten tenants at their cap still fit).
+DEFAULT_MAX_LEASES = 10_000
+#: How old the stored-bytes figure a quota is checked against may be.
+_USAGE_MAX_AGE_S = 1.0
+
+
+class _TenantLease(NamedTuple):
+    lease_id: str
+    until: float
+    #: The caller's keys whose blocks this lease found in the shared namespace.
+    shared: frozenset[bytes]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Asked:
+    """One QueryHit, checked and in words: the caller's keys and their namespaced forms."""
+
+    request: HitRequest
+    words: np.ndarray
+    own: np.ndarray
+    shared: np.ndarray | None
+
+    def to_tier(self, words: np.ndarray) -> HitRequest:
+        return dataclasses.replace(
+            self.request, token_ids=None, block_keys=words, prompt_len=self.request.length
+        )
+
+
+class TenantView:
+    """The tier as ``tenant`` sees it. Thread-safe; one per tenant (``TenantViews``) so its
+    leases and figures outlive a request. ``foreign_leases``: this view reads for a process
+    whose other half took the leases (an engine's fetcher), so a lease id it does not know is
+    read with (the tier decides) instead of refused."""
+
+    def __init__(
+        self,
+        tier: Tier,
+        tenant: Tenant,
+        *,
+        lease_seconds: float,
+        foreign_leases: bool = False,
+        clock: Clock | None = None,
+    ) -> None:
+        self._tier = tier
+        self.tenant = tenant
+        self.model_fingerprint = tier.model_fingerprint
+        self.state_size = tier.state_size
+        self.block_bytes = tier.block_bytes
+        self._async = tier if isinstance(tier, AsyncHitSource) else None
+        self._lease_seconds = lease_seconds
+        self._foreign_leases = foreign_leases
+        self._clock = clock or SystemClock()
+        # The cap is checked before a lease is taken; the table's own bound (the tier's) is a
+        # backstop that a tenant's cap (at most MAX_TENANT_LEASES) never reaches.
+        self._leases: LeaseTable[_TenantLease] = LeaseTable(MAX_TENANT_LEASES + 64, self._clock)
+        self._lock = threading.Lock()
+        self._counters: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._usage: tuple[float, int] | None = None  # (when, bytes stored in its classes)
+        self._put_since_usage = 0
+
+    @property
+    def async_capable(self) -> bool:
+        """Whether ``query_hit_async`` runs without parking a thread (the tier has a loop path)."""
+        return self._async is not None
+
+    # --- HitSource -----------------------------------------------------------------------------
+
+    def query_hit(self, request: HitRequest) -> HitAnswer:
+        asked = self._prepare(request)
+        ask = self._tier.query_hit
+        if asked.shared is None:
+            return self._finish(asked, ask(asked.to_tier(asked.own)), 0)
+        first = ask(asked.to_tier(asked.shared))
+        run, within = _runs(first, asked.words.shape[0])
+        if run == 0:
+            self._give_back(first)
+            return self._finish(asked, ask(asked.to_tier(asked.own)), 0)
+        return self._after_shared(asked, first, run, within, ask)
+
+    async def query_hit_async(self, request: HitRequest) -> HitAnswer:
+        asked = self._prepare(request)
+        hits = self._async
+        if hits is None:
+            return await asyncio.get_running_loop().run_in_executor(None, self.query_hit, request)
+        if asked.shared is None:
+            return self._finish(asked, await hits.query_hit_async(asked.to_tier(asked.own)), 0)
+        # Both namespaces at once (they coalesce into one round of cluster calls); the mixed
+        # run is asked only when the shared run ends inside the prompt.
+        answers = await asyncio.gather(
+            hits.query_hit_async(asked.to_tier(asked.shared)),
+            hits.query_hit_async(asked.to_tier(asked.own)),
+            return_exceptions=True,
+        )
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        if failed:
+            for answer in answers:
+                if isinstance(answer, HitAnswer):
+                    self._give_back(answer)
+            raise failed[0]
+        first, own = answers
+        assert isinstance(first, HitAnswer) and isinstance(own, HitAnswer)
+        run, within = _runs(first, asked.words.shape[0])
+        if run == 0:
+            self._give_back(first)
+            return self._finish(asked, own, 0)
+        self._give_back(own)
+        if run >= within:
+            return self._finish(asked, first, run)
+        self._give_back(first)
+        mixed = np.concatenate([asked.shared[:run], asked.own[run:]])
+        return self._finish(asked, await hits.query_hit_async(asked.to_tier(mixed)), run)
+
+    def _after_shared(
+        self,
+        asked: _Asked,
+        first: HitAnswer,
+        run: int,
+        within: int,
+        ask: Callable[[HitRequest], HitAnswer],
+    ) -> HitAnswer:
+        if run >= within:
+            return self._finish(asked, first, run)
+        self._give_back(first)
+        assert asked.shared is not None
+        mixed = np.concatenate([asked.shared[:run], asked.own[run:]])
+        return self._finish(asked, ask(asked.to_tier(mixed)), run)
+
+    def _prepare(self, request: HitRequest) -> _Asked:
+        tenant = self.tenant
+        traffic_class = self._traffic_class(request.traffic_class)
+        if request.take_lease:
+            self._leases.sweep()
+            cap = tenant.max_leases or DEFAULT_MAX_LEASES
+            if len(self._leases) >= cap:
+                raise Overloaded(
+                    f"tenant {tenant.name!r} holds {cap} leases (its cap): read or release "
+                    "some first"
+                )
+        if request.token_ids is not None:
+            words = block_key_words(self.model_fingerprint, request.token_ids)
+        else:
+            words = key_words(request.block_keys, "block_keys")  # type: ignore[arg-type]
+        shared = namespaced(tenant.shared_salt, words) if tenant.reads_shared else None
+        return _Asked(
+            dataclasses.replace(request, traffic_class=traffic_class),
+            words,
+            namespaced(tenant.salt, words),
+            shared,
+        )
+
+    def _finish(self, asked: _Asked, answer: HitAnswer, shared_run: int) -> HitAnswer:
+        """Count the lookup, remember the lease as this tenant's, give back the caller's keys."""
+        plan = answer.plan
+        block = plan.block_tokens
+        hit_blocks = plan.block_hit_tokens // block
+        looked_up = min(asked.words.shape[0], plan.cap // block)
+        with self._lock:
+            counters = self._counters[asked.request.traffic_class or "default"]
+            counters["lookups"] += 1
+            counters["hit_blocks"] += hit_blocks
+            counters["miss_blocks"] += looked_up - hit_blocks
+        if answer.lease_id is not None:
+            shared = frozenset(k.tobytes() for k in asked.words[:shared_run])
+            until = self._clock.now() + self._lease_seconds
+            for dropped in self._leases.add(_TenantLease(answer.lease_id, until, shared)):
+                self._tier.release_lease(dropped.lease_id)
+        hit = len(answer.hit_keys)
+        return dataclasses.replace(answer, hit_keys=asked.words[:hit])
+
+    def _give_back(self, answer: HitAnswer) -> None:
+        if answer.lease_id is not None:
+            self._tier.release_lease(answer.lease_id)
+
+    def release_lease(self, lease_id: str) -> bool:
+        if self._leases.take(lease_id) is None:
+            return False  # unknown, expired, or another tenant's
+        return self._tier.release_lease(lease_id)
+
+    # --- TierReader ----------------------------------------------------------------------------
+
+    def get_blocks(
+        self, keys: Sequence[bytes], lease_id: str | None = None, *, keep_lease: bool = False
+    ) -> list[BlockRead]:
+        checked = check_keys(keys, "keys")
+        tenant = self.tenant
+        lease = None
+        if lease_id:
+            lease = self._leases.peek(lease_id) if keep_lease else self._leases.take(lease_id)
+        if lease_id and lease is None and not self._foreign_leases:
+            raise LeaseError(f"lease {lease_id!r} is unknown or has expired; query again")
+        shared_of = lease.shared if lease is not None else frozenset()
+        own = namespaced(tenant.salt, key_words(checked)) if checked else np.empty((0, 4))
+        stored = words_to_keys(own)
+        if shared_of:
+            shared = words_to_keys(namespaced(tenant.shared_salt, key_words(checked)))
+            stored = [
+                s if k in shared_of else o for k, o, s in zip(checked, stored, shared, strict=True)
+            ]
+        reads = self._tier.get_blocks(stored, lease_id, keep_lease=keep_lease)
+        if tenant.reads_shared and lease is None:
+            # Read without this tenant's lease: a block missing from its own namespace may be
+            # a shared one.
+            missing = [i for i, read in enumerate(reads) if not read.found]
+            if missing:
+                words = namespaced(tenant.shared_salt, key_words([checked[i] for i in missing]))
+                for i, read in zip(
+                    missing, self._tier.get_blocks(words_to_keys(words)), strict=True
+                ):
+                    if read.found:
+                        reads[i] = read
+        return [
+            dataclasses.replace(read, key=key) for key, read in zip(checked, reads, strict=True)
+        ]
+
+    def get_swa_state(self, key: bytes, position: int) -> StateRead:
+        key = check_key(key)
+        tenant = self.tenant
+        read = self._tier.get_swa_state(namespaced_key(tenant.salt, key), position)
+        if read.state is None and tenant.reads_shared:
+            shared = self._tier.get_swa_state(namespaced_key(tenant.shared_salt, key), position)
+            if shared.state is not None:
+                return shared
+        return read
+
+    # --- TierWriter ----------------------------------------------------------------------------
+
+    def put_blocks(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[bytes],
+        traffic_class: str = "",
+        *,
+        shared: bool = False,
+    ) -> PutAnswer:
+        """Write blocks into the tenant's namespace (``shared``: into the shared one, for the
+        trusted writer role). Every payload must be exactly one block of the model's preset."""
+        checked = check_keys(keys, "keys")
+        if len(payloads) != len(checked):
+            raise InvalidArgument("payloads", f"{len(payloads)} payloads for {len(checked)} keys")
+        name = self._traffic_class(traffic_class)
+        size = self.block_bytes
+        for index, payload in enumerate(payloads):
+            if len(payload) != size:
+                raise InvalidArgument(
+                    f"payloads[{index}]",
+                    f"must be one block of this model's preset ({size} bytes), got {len(payload)}",
+                )
+        if len(set(checked)) != len(checked):
+            raise InvalidArgument("keys", "a key is given twice in one put")
+        salt = self._salt_to_write(shared)
+        incoming = size * len(checked)
+        self._check_bytes_quota(incoming)
+        stored = words_to_keys(namespaced(salt, key_words(checked))) if checked else []
+        answer = self._tier.put_blocks(stored, payloads, name)
+        with self._lock:
+            self._put_since_usage += size * answer.stored
+        back = dict(zip(stored, checked, strict=True))
+        return PutAnswer(
+            stored=answer.stored,
+            existing=answer.existing,
+            busy_keys=tuple(back[key] for key in answer.busy_keys),
+            failed_keys=tuple(back[key] for key in answer.failed_keys),
+        )
+
+    def put_swa_state(
+        self,
+        key: bytes,
+        position: int,
+        state: bytes,
+        machine: str | None = None,
+        *,
+        shared: bool = False,
+    ) -> str:
+        salt = self._salt_to_write(shared)
+        return self._tier.put_swa_state(
+            namespaced_key(salt, check_key(key)), position, state, machine
+        )
+
+    # --- figures -------------------------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        """The tenant's own figures: its lookups and hits, the bytes of the classes the
+        operator gave it, the tier's health. An admin tenant sees the whole tier."""
+        base = self._tier.stats()
+        if self.tenant.admin:
+            return base
+        mine = set(self.tenant.classes or ())
+        exclusive = set(self.tenant.exclusive_classes)
+        with self._lock:
+            counted = {name: dict(figures) for name, figures in self._counters.items()}
+        classes: dict[str, dict[str, Any]] = {}
+        for name in sorted(mine | set(counted)):
+            figures = counted.get(name, {})
+            theirs = base.classes.get(name, {}) if name in exclusive else {}
+            classes[name] = {
+                "lookups": figures.get("lookups", 0),
+                "hit_blocks": figures.get("hit_blocks", 0),
+                "miss_blocks": figures.get("miss_blocks", 0),
+                # A class's own figures (bytes, evictions, expiries) are the tenant's only if
+                # no other tenant may use the class: never those of a class others share.
+                "miss_reasons": dict(theirs.get("miss_reasons", {})),
+                "stored_bytes": int(theirs.get("stored_bytes", 0)),
+            }
+        return Stats(
+            classes=classes,
+            block_bytes_stored=sum(figures["stored_bytes"] for figures in classes.values()),
+            swa_bytes_stored=0,
+            degraded_reads=base.degraded_reads,
+            repairs_done=base.repairs_done,
+            repairs_pending=base.repairs_pending,
+            live_storage_nodes=base.live_storage_nodes,
+            storage_nodes=base.storage_nodes,
+            extra={
+                "tenant": self.tenant.name,
+                "open_leases": len(self._leases),
+                "model_fingerprint": self.model_fingerprint.hex(),
+                "block_bytes": self.block_bytes,
+            },
+        )
+
+    # --- policy --------------------------------------------------------------------------------
+
+    def _traffic_class(self, asked: str) -> str:
+        try:
+            return self.tenant.traffic_class(asked)
+        except PermissionError as error:
+            raise Forbidden(str(error)) from None
+
+    def _salt_to_write(self, shared: bool) -> bytes:
+        tenant = self.tenant
+        if not shared:
+            return tenant.salt
+        if tenant.shared != "write":
+            raise Forbidden(f"tenant {tenant.name!r} may not write the shared namespace")
+        return tenant.shared_salt
+
+    def _check_bytes_quota(self, incoming: int) -> None:
+        tenant = self.tenant
+        if tenant.max_bytes is None:
+            return
+        used = self._stored_bytes()
+        if used + incoming > tenant.max_bytes:
+            raise Overloaded(
+                f"tenant {tenant.name!r} stores {used} of its {tenant.max_bytes} bytes: "
+                f"{incoming} more do not fit (GC frees its oldest blocks as they expire)"
+            )
+
+    def _stored_bytes(self) -> int:
+        """Bytes stored in the tenant's classes: the tier's figure (at most a second old) plus
+        what this view wrote since it was taken."""
+        now = time.monotonic()
+        usage = self._usage
+        if usage is None or now - usage[0] > _USAGE_MAX_AGE_S:
+            classes = self._tier.stats().classes
+            total = sum(
+                int(classes.get(name, {}).get("stored_bytes", 0))
+                for name in self.tenant.classes or ()
+            )
+            with self._lock:
+                self._usage, self._put_since_usage = (now, total), 0
+            usage = (now, total)
+        return usage[1] + self._put_since_usage
+
+
+class TenantViews:
+    """One ``TenantView`` per tenant over one tier, made on first use and kept (its leases
+    and figures live with it); a tenant whose policy changed in the tokens file gets it."""
+
+    def __init__(
+        self,
+        tier: Tier,
+        *,
+        lease_seconds: float,
+        foreign_leases: bool = False,
+        clock: Clock | None = None,
+    ) -> None:
+        self.tier = tier
+        self._lease_seconds = lease_seconds
+        self._foreign_leases = foreign_leases
+        self._clock = clock
+        self._views: dict[str, TenantView] = {}
+        self._lock = threading.Lock()
+
+    def view(self, tenant: Tenant) -> TenantView:
+        view = self._views.get(tenant.name)
+        if view is None:
+            with self._lock:
+                view = self._views.get(tenant.name)
+                if view is None:
+                    view = TenantView(
+                        self.tier,
+                        tenant,
+                        lease_seconds=self._lease_seconds,
+                        foreign_leases=self._foreign_leases,
+                        clock=self._clock,
+                    )
+                    self._views[tenant.name] = view
+        if view.tenant is not tenant:
+            view.tenant = tenant  # reloaded tokens file: same salts, maybe new policy
+        return view
+
+
+def _runs(answer: HitAnswer, keys: int) -> tuple[int, int]:
+    """(blocks in the answer's leading run, blocks looked up: those of ``keys`` within the
+    cap)."""
+    block = answer.plan.block_tokens
+    return answer.plan.block_hit_tokens // block, min(keys, answer.plan.cap // block)
