@@ -32,6 +32,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -220,6 +221,49 @@ def write_all(fd: int, parts: Sequence[Any]) -> int:
         if views and done:
             views[0] = views[0][done:]
     return total
+
+
+def check_private_file(path: Path, what: str) -> None:
+    """Refuse a secret file that is a symlink, not ours, or readable by group or others."""
+    try:
+        info = os.lstat(path)
+    except OSError as error:
+        raise ConfigError(what, f"cannot read {path}: {error.strerror}") from error
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
+        raise ConfigError(what, f"{path} must be a regular file, not a link")
+    if info.st_mode & 0o077:
+        raise ConfigError(
+            what,
+            f"{path} is readable by group or others (mode {stat.S_IMODE(info.st_mode):04o}); "
+            f"chmod 600 it",
+        )
+    if info.st_uid != os.geteuid():
+        raise ConfigError(what, f"{path} is owned by uid {info.st_uid}, not by this service")
+
+
+def create_private_file(path: Path, content: bytes, what: str) -> None:
+    """Make ``path`` (0600) holding ``content`` unless it exists; never overwrites. Written
+    whole under a private name (mkstemp: 0600), then linked into place: no reader sees it
+    half-written, and of two processes starting at once the first one wins."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as error:
+        raise ConfigError(what, f"cannot create {path}: {error.strerror}") from error
+    try:
+        write_all(fd, [content])
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        except OSError as error:
+            raise ConfigError(what, f"cannot create {path}: {error.strerror}") from error
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        os.unlink(tmp)
 
 
 def _check_owner(status: os.stat_result, path: Path, field: str) -> None:

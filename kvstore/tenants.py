@@ -34,7 +34,6 @@ import hmac
 import logging
 import math
 import os
-import stat
 import threading
 import time
 import tomllib
@@ -48,6 +47,7 @@ import numpy as np
 
 from kvstore.errors import ConfigError
 from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.privatefs import check_private_file, create_private_file
 
 _native: ModuleType | None
 try:  # one C call for a whole key array; hashlib gives the same digests one call per key
@@ -140,41 +140,13 @@ def load_secret(path: Path) -> bytes:
     """The server secret in ``path``, made (32 random bytes, 0600, never overwritten) if the
     file does not exist. A secret readable by group or others is refused: with it and the tenant
     names, anyone computes every namespace."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        pass
-    except OSError as error:
-        raise ConfigError("tenant_secret", f"cannot create {path}: {error.strerror}") from error
-    else:
-        try:
-            os.write(fd, os.urandom(_SECRET_BYTES))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    if not path.exists():
+        create_private_file(path, os.urandom(_SECRET_BYTES), "tenant_secret")
     check_private_file(path, "tenant_secret")
     secret = path.read_bytes()
     if len(secret) < 16:
         raise ConfigError("tenant_secret", f"{path} holds {len(secret)} bytes; at least 16 needed")
     return secret
-
-
-def check_private_file(path: Path, what: str) -> None:
-    """Refuse a secret file that is a symlink, not ours, or readable by group or others."""
-    try:
-        info = os.lstat(path)
-    except OSError as error:
-        raise ConfigError(what, f"cannot read {path}: {error.strerror}") from error
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
-        raise ConfigError(what, f"{path} must be a regular file, not a link")
-    if info.st_mode & 0o077:
-        raise ConfigError(
-            what,
-            f"{path} is readable by group or others (mode {stat.S_IMODE(info.st_mode):04o}); "
-            f"chmod 600 it",
-        )
-    if info.st_uid != os.geteuid():
-        raise ConfigError(what, f"{path} is owned by uid {info.st_uid}, not by this service")
 
 
 class TenantDirectory:

@@ -28,7 +28,8 @@ from kvstore.api.metrics import ApiMetrics
 from kvstore.api.servicer import GatewayLimits, KVStoreServicer
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.errors import ConfigError
-from kvstore.tenants import TenantDirectory, check_private_file, load_secret
+from kvstore.privatefs import check_private_file
+from kvstore.tenants import TenantDirectory, load_secret
 from kvstore.tier.protocols import Tier
 from kvstore.tier.tenancy import TenantViews
 

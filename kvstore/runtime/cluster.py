@@ -33,8 +33,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import stat
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +41,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from kvstore.errors import ConfigError, InvalidArgument
+from kvstore.privatefs import check_private_file, create_private_file
 
 log = logging.getLogger(__name__)
 
@@ -86,24 +85,9 @@ def _ensure_token_file(path: Path) -> Path:
     """``path`` holding a token only this user can read; made (random, 256 bits) if missing."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not path.exists():
-        # Written whole under a private name (mkstemp: 0600), then linked into place: no reader
-        # sees a half-written token, and of two processes starting at once the first one wins.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "w") as out:
-                out.write(secrets.token_hex(32))
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                pass
-        finally:
-            os.unlink(tmp)
-    info = path.lstat()
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise ConfigError(
-            str(path), "the Ray token file must be this user's own, mode 0600 (chmod 600 it)"
-        )
-    if info.st_size == 0:
+        create_private_file(path, secrets.token_hex(32).encode(), str(path))
+    check_private_file(path, str(path))
+    if path.stat().st_size == 0:
         # Ray aborts the process on an empty RAY_AUTH_TOKEN_PATH; say which file instead.
         raise ConfigError(str(path), "the Ray token file is empty (delete it to get a new one)")
     return path

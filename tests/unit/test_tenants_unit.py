@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import ConfigError
+from kvstore.privatefs import check_private_file
 from kvstore.tenants import (
     DEFAULT_TENANT,
     RateLimiter,
     Tenant,
     TenantDirectory,
-    check_private_file,
     load_secret,
     salts,
 )
