@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -72,40 +70,8 @@ def redis_server() -> Iterator[tuple[int, Any] | None]:
 def kvstore_up(data_dir: Path, *flags: str) -> Any:
     """`kvstore up` in its own process (the server must not share this process's GIL with
     the load generator), with ``flags`` added; yields its address, stops it with SIGINT."""
+    from kvstore.runtime.upprocess import TierProcess
+
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvstore.cli",
-            "up",
-            "--port",
-            "0",
-            "--data-dir",
-            str(data_dir),
-            "--no-gc",
-            "--fsync",
-            "never",
-            *flags,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    try:
-        assert process.stdout is not None
-        address = None
-        for line in process.stdout:
-            if "serving kvstore.v1.KVStore on " in line:
-                address = line.split(" on ", 1)[1].split()[0]
-                break
-        if address is None:
-            raise RuntimeError("kvstore up exited before serving")
-        yield address
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    with TierProcess.start(data_dir, "--no-gc", "--fsync", "never", *flags, env=env) as tier:
+        yield tier.address

@@ -142,8 +142,21 @@ class ServiceConfig:
     gc: GCConfig = field(default_factory=default_gc_config)
     run_gc: bool = True
     start_repair: bool = True
+    #: Exact size of one block payload the tier accepts. None: the preset's
+    #: (``GeometryConfig.block_bytes``). Set it for an engine whose blocks are laid out by the
+    #: engine, not by a kvstore preset: a vLLM model through ``kvstore.integrations.vllm``
+    #: (layers × 2 × KV heads × head size × 128 tokens × dtype bytes; the connector prints it).
+    block_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.block_bytes is not None and (
+            isinstance(self.block_bytes, bool)
+            or not isinstance(self.block_bytes, int)
+            or self.block_bytes < 1
+        ):
+            raise ConfigError(
+                "block_bytes", f"must be a positive integer, got {self.block_bytes!r}"
+            )
         shared = {
             "traffic_classes": self.gc.class_names,
             "lease_seconds": self.gc.lease_default_s,
@@ -158,7 +171,8 @@ class ServiceConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **changes: Any) -> ServiceConfig:
         """The environment first (``KVSTORE_BLOCKSTORE_*``, ``KVSTORE_SWA_*``, the geometry's
-        ``KVSTORE_*``, ``KVSTORE_GC_FILE``: a gc.toml), then ``changes`` (None = not given):
+        ``KVSTORE_*``, ``KVSTORE_GC_FILE``: a gc.toml, ``KVSTORE_BLOCK_BYTES``), then
+        ``changes`` (None = not given):
         a block tier field by its name (``data_root``, ``deployment``, ``storage_nodes``,
         ``meta_shards``, ...), ``fsync`` / ``node_capacity_bytes`` for the storage nodes,
         ``preset`` for the model, or one of this class's own fields."""
@@ -196,4 +210,11 @@ class ServiceConfig:
                 variable = "KVSTORE_BLOCKSTORE_" + error.field.upper()
                 raise ConfigError(variable, f"{error.detail} (field {error.field})") from None
             raise
+        if "block_bytes" not in mine and env.get("KVSTORE_BLOCK_BYTES"):
+            try:
+                mine["block_bytes"] = int(env["KVSTORE_BLOCK_BYTES"])
+            except ValueError:
+                raise ConfigError(
+                    "KVSTORE_BLOCK_BYTES", f"must be an integer, got {env['KVSTORE_BLOCK_BYTES']!r}"
+                ) from None
         return cls(blockstore=blockstore, **mine)

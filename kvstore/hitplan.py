@@ -16,6 +16,11 @@ Bounded-replay mode (V4.1) keeps hit = L1 whatever the SWA store says; a missing
 by replaying [L1 − 128, L1) with attention bounded to the replay start. Replay rebuilds SWA state
 only and never recomputes or overwrites block KV.
 
+Full-attention mode is for engines whose attention has no sliding window and no speculative
+rollback to protect (a dense model served by vLLM through ``kvstore.integrations.vllm``): the
+cap is L − 1 (the engine computes at least the last prompt token, whose logits it samples
+from), no SWA state is looked for, and hit = L1.
+
 Hits are whole blocks, never the middle of one, so SWA states are only ever stored at positions
 p > 0 with p % 128 == 0 (SPEC §6): prefill stores at floor((L − 1)/128)·128, chunked prefill only
 after its last chunk, decode from the last boundary-crossing copy anchored at the boundary below.
@@ -44,8 +49,9 @@ DEFAULT_BLOCK_TOKENS = BLOCK_TOKENS  # one source: the block key's span (kvstore
 
 STANDARD = "standard"
 BOUNDED_REPLAY = "bounded-replay"
-MODES = (STANDARD, BOUNDED_REPLAY)
-Mode = Literal["standard", "bounded-replay"]
+FULL_ATTENTION = "full-attention"
+MODES = (STANDARD, BOUNDED_REPLAY, FULL_ATTENTION)
+Mode = Literal["standard", "bounded-replay", "full-attention"]
 
 #: What the caller knows about SWA states: positions (a set, a range, ...), a mapping
 #: position -> machine holding it, a callable position -> bool | machine name, or None (none).
@@ -159,10 +165,11 @@ class HitPlan:
     @property
     def reason(self) -> str:
         """One line saying why the hit is what it is."""
+        protected = 1 if self.mode == FULL_ATTENTION else self.window + self.max_backtracking
         if self.block_hit_tokens == 0:
             if self.cap < self.block_tokens:
                 return (
-                    f"cap L − {self.window + self.max_backtracking} = {self.cap} holds no whole "
+                    f"cap L − {protected} = {self.cap} holds no whole "
                     f"block → hit 0, compute everything"
                 )
             return "no cached block at the start of the prompt → hit 0, compute everything"
@@ -173,6 +180,8 @@ class HitPlan:
                 f"L1 = {self.block_hit_tokens}; "
             )
         where = f" on {self.swa_location}" if self.swa_location else ""
+        if self.mode == FULL_ATTENTION:
+            return f"{prefix}full attention, no window state → hit {self.hit_tokens}"
         if self.swa_hit:
             return (
                 f"{prefix}SWA state at {self.swa_position} found{where} → "
@@ -206,11 +215,14 @@ def hit_cap(
     window: int = DEFAULT_WINDOW,
     max_backtracking: int = DEFAULT_MAX_BACKTRACKING,
     geometry: HasHitGeometry | None = None,
+    mode: str = STANDARD,
 ) -> int:
-    """L − (window + max_backtracking), at least 0: the most tokens a hit may cover."""
+    """L − (window + max_backtracking), at least 0: the most tokens a hit may cover
+    (full-attention mode: L − 1)."""
     geo = resolve_geometry(geometry, window=window, max_backtracking=max_backtracking)
     length = _positive_int(prompt_len, "prompt_len")
-    return max(length - geo.protected_tokens, 0)
+    protected = 1 if mode == FULL_ATTENTION else geo.protected_tokens
+    return max(length - protected, 0)
 
 
 def plan_hit(
@@ -244,7 +256,7 @@ def plan_hit(
     full_blocks = length // block
     run = _block_run_tokens(block_hit_tokens, full_blocks, block)
 
-    cap = max(length - geo.protected_tokens, 0)
+    cap = max(length - (1 if mode == FULL_ATTENTION else geo.protected_tokens), 0)
     # Whole blocks only: a hit in the middle of a block would need a window state that §6 never
     # stores, so the cap is rounded down to a block boundary before it limits the run.
     block_hit = min(run, cap // block * block)
@@ -255,7 +267,9 @@ def plan_hit(
     replay_start: int | None = None
     replay_tokens = 0
     hit = 0
-    if block_hit > 0:
+    if block_hit > 0 and mode == FULL_ATTENTION:
+        hit = block_hit  # no window state exists to look for
+    elif block_hit > 0:
         swa_position = block_hit
         swa_hit, swa_location = _lookup_swa(swa_available, block_hit)
         if swa_hit:

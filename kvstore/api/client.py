@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,7 +30,11 @@ from kvstore.hitplan import HitPlan
 from kvstore.keys import KEY_BYTES, BlockKey, key_words
 from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, StateRead, Stats
 
-_MODES = {"standard": pb.HIT_MODE_STANDARD, "bounded-replay": pb.HIT_MODE_BOUNDED_REPLAY}
+_MODES = {
+    "standard": pb.HIT_MODE_STANDARD,
+    "bounded-replay": pb.HIT_MODE_BOUNDED_REPLAY,
+    "full-attention": pb.HIT_MODE_FULL_ATTENTION,
+}
 _ADVICE = {pb.ADVICE_FETCH: "fetch", pb.ADVICE_REPLAY: "replay"}
 #: Blocks per PutBlocks stream message: keeps each message far below the size limit.
 _PUT_CHUNK_BYTES = 2 * 1024 * 1024
@@ -40,6 +45,29 @@ _PUT_STREAM_BYTES = 32 * 1024 * 1024
 
 def _optional(value: int) -> int | None:
     return None if value < 0 else value
+
+
+@dataclass(frozen=True)
+class ClientFactory:
+    """Builds a ``KVStoreClient`` in another process (an engine's fetcher): picklable, and
+    importing it costs only this module."""
+
+    address: str
+    token: str | None = None
+    tls_root_cert: str | None = None
+    tls_client_cert: str | None = None
+    tls_client_key: str | None = None
+    timeout_s: float = 30.0
+
+    def __call__(self) -> KVStoreClient:
+        return KVStoreClient(
+            self.address,
+            token=self.token,
+            tls_root_cert=self.tls_root_cert,
+            tls_client_cert=self.tls_client_cert,
+            tls_client_key=self.tls_client_key,
+            timeout_s=self.timeout_s,
+        )
 
 
 class KVStoreClient:

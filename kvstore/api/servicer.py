@@ -51,6 +51,7 @@ _MODES = {
     pb.HIT_MODE_UNSPECIFIED: "standard",
     pb.HIT_MODE_STANDARD: "standard",
     pb.HIT_MODE_BOUNDED_REPLAY: "bounded-replay",
+    pb.HIT_MODE_FULL_ATTENTION: "full-attention",
 }
 _ADVICE = {None: pb.ADVICE_UNSPECIFIED, "fetch": pb.ADVICE_FETCH, "replay": pb.ADVICE_REPLAY}
 

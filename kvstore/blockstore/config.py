@@ -102,6 +102,11 @@ class BlockStoreConfig:
     health_interval_s: float = 1.0
     #: Stripes re-encoded per repair step (bounds repair traffic).
     repair_batch: int = 32
+    #: Seconds between background scrub passes (0 = never); each pass has every live node
+    #: verify up to ``scrub_limit`` shards, round robin, and a corrupt one is quarantined and
+    #: repaired.
+    scrub_every_s: float = 60.0
+    scrub_limit: int = 256
     #: Misses remembered with their reason per meta shard (evicted / expired), newest kept.
     tombstones: int = 100_000
     node: StorageNodeConfig = StorageNodeConfig()
@@ -150,6 +155,15 @@ class BlockStoreConfig:
         if not isinstance(self.orphan_grace_s, int | float) or self.orphan_grace_s < 0:
             raise ConfigError("orphan_grace_s", f"must be >= 0, got {self.orphan_grace_s!r}")
         _positive_int("repair_batch", self.repair_batch)
+        _positive_int("scrub_limit", self.scrub_limit)
+        if (
+            not isinstance(self.scrub_every_s, int | float)
+            or isinstance(self.scrub_every_s, bool)
+            or self.scrub_every_s < 0
+        ):
+            raise ConfigError(
+                "scrub_every_s", f"must be >= 0 seconds (0 = never), got {self.scrub_every_s!r}"
+            )
         _non_negative_int("tombstones", self.tombstones)
         if not isinstance(self.node, StorageNodeConfig):
             raise ConfigError("node", "must be a StorageNodeConfig")

@@ -19,6 +19,7 @@ Apply the prefix hit rule to one prompt and say what the engine reuses and compu
   SWA  looked for only at L1 (the snapshot of [L1 − 128, L1])
   standard:        found → hit L1; missing → hit L1 − 128 (back off one block, recompute it)
   bounded-replay:  hit L1; missing → replay [L1 − 128, L1) to rebuild SWA only
+  full-attention:  no window (a dense model): cap L − 1, no SWA lookup, hit L1
 
 example:
   kvstore plan --prompt-len 1300 --block-hit-tokens 1280 --swa-at 1024
@@ -117,7 +118,9 @@ def render(plan: hitplan.HitPlan, ignored_swa: list[int]) -> str:
     def show(value: object) -> str:
         return "—" if value is None else str(value)
 
-    if plan.swa_position is None:
+    if plan.mode == hitplan.FULL_ATTENTION:
+        swa = "not looked up (full attention: no window state)"
+    elif plan.swa_position is None:
         swa = "not looked up (L1 = 0)"
     elif plan.swa_hit:
         swa = f"{plan.swa_position}: found" + (
@@ -129,7 +132,7 @@ def render(plan: hitplan.HitPlan, ignored_swa: list[int]) -> str:
     if plan.replay_start is not None:
         end = plan.replay_start + plan.replay_tokens
         replay = f"[{plan.replay_start}, {end}) ({plan.replay_tokens} tokens, SWA only)"
-    protected = plan.window + plan.max_backtracking
+    protected = 1 if plan.mode == hitplan.FULL_ATTENTION else plan.window + plan.max_backtracking
     rows = [
         ("prompt tokens (L)", str(plan.prompt_len)),
         ("mode", plan.mode),

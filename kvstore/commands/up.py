@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--preset", choices=PRESET_NAMES, help="model (default v4.1-flash)")
     parser.add_argument(
+        "--block-bytes",
+        type=int,
+        metavar="N",
+        help="exact size of one block payload (default: the preset's). For a vLLM engine "
+        "through kvstore.integrations.vllm: the size its connector names at start-up",
+    )
+    parser.add_argument(
         "--fsync", choices=["always", "batch", "never"], help="shard fsync policy (default batch)"
     )
     parser.add_argument(
@@ -174,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
             preset=args.preset,
             run_gc=not args.no_gc,
             node_capacity_bytes=args.capacity_bytes,
+            block_bytes=args.block_bytes,
         )
     except ConfigError as error:
         field = "capacity_bytes" if error.field == "node_capacity_bytes" else error.field

@@ -9,7 +9,11 @@ pool, swap-in or saver is built):
 - ``pools``     ``DevicePools``: tensors behind the paged block and state slot ledgers
 - ``swapin``    ``SwapIn`` copy thread / CUDA side stream, ``LayerLoad.wait(layer)``
 - ``save``      ``Saver``: layer-wise gathers, background puts
-- ``connector`` ``KVConnector``: a vLLM KV-connector-v1-shaped facade
+
+The engine's connector is ``kvstore.integrations`` (``paged``: the engine-neutral core, which
+uses the fetcher and staging; ``vllm``: vLLM's KV connector over it). ``pools``, ``swapin`` and
+``save`` are the V4 engine side (SWA state slots, decode snapshots) for an engine that keeps
+kvstore's own pools.
 
 The tier they read and write is reached through ``kvstore.tier`` (the one seam: the cluster,
 files in a directory, or the gRPC client).

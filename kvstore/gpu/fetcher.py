@@ -2,8 +2,12 @@
 into a /dev/shm staging region, layer by layer, announcing each layer as it lands (SPEC §8).
 
 Why a process: reading from the tier (gRPC, Ray, checksums, erasure decoding) is Python work
-that would otherwise hold the engine process's GIL while the model runs. The fetcher is started
-with the ``spawn`` method (no inherited CUDA context, locks or threads) and never imports torch.
+that would otherwise hold the engine process's GIL while the model runs. The fetcher is a fresh
+interpreter (``python -m kvstore.gpu.fetcher``: no inherited CUDA context, locks or threads)
+and never imports torch. It is started with ``subprocess``, not ``multiprocessing``, because
+engines run their workers as daemonic ``multiprocessing`` processes (vLLM does), which
+``multiprocessing`` forbids to have children; the pipes are ``multiprocessing.connection``
+objects over inherited file descriptors, and the reader factory is the first message.
 
 Protocol (two one-way pipes): the engine sends ``FetchJob`` objects (``None`` to stop); the
 fetcher answers ``("layer", job, i)`` after it has written layer i and set its ready word,
@@ -26,8 +30,9 @@ reported as load errors) instead of hanging.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -63,7 +68,7 @@ class FetchJob:
     staging_path: str
     region_offset: int
     region_nbytes: int
-    geometry: dict[str, Any]
+    kv: KVLayout
     keys: tuple[bytes, ...]
     lease_id: str | None = None
     state_key: bytes | None = None
@@ -140,7 +145,7 @@ def run_job(
     announce: Any,
 ) -> None:
     """Fetch one job into its region, publishing layer by layer (also usable in-process)."""
-    kv = KVLayout.from_geometry(GeometryConfig.from_dict(job.geometry))
+    kv = job.kv
     layout = StageLayout.plan(kv, len(job.keys), job.with_state)
     header = layout.header(region)
     header.check(job.job_id)
@@ -230,6 +235,8 @@ class StagedFetch:
         self._view = view
         self._header: StageHeader = layout.header(view)
         self._layers = [threading.Event() for _ in range(layout.kv.num_layers)]
+        #: ``time.perf_counter()`` when each layer was announced staged (None: not yet).
+        self.staged_at: list[float | None] = [None] * layout.kv.num_layers
         self._finished = threading.Event()
         self._failure: str | None = None
         self._release_wanted = False
@@ -243,6 +250,7 @@ class StagedFetch:
             # The fetcher is still running and may write on: fail the load, keep the region.
             self._mark_failed(f"layer {layer} announced but its ready word is not set")
             return
+        self.staged_at[layer] = time.perf_counter()
         self._layers[layer].set()
 
     def _mark_failed(self, why: str) -> None:
@@ -319,32 +327,41 @@ class Fetcher:
         self,
         reader_factory: ReaderFactory,
         area: StagingArea,
-        geometry: GeometryConfig,
+        geometry: GeometryConfig | KVLayout,
         *,
         gate: LayerGate | None = None,
-        start_method: str = "spawn",
     ) -> None:
         if not callable(reader_factory):
             raise InvalidArgument(
                 "reader_factory", "must be a picklable zero-argument callable returning a reader"
             )
         self.area = area
-        self.geometry = geometry
-        self.kv = KVLayout.from_geometry(geometry)
-        self._geometry_dict = geometry.to_dict()
-        context: Any = multiprocessing.get_context(start_method)
-        jobs_read, self._jobs = context.Pipe(duplex=False)
-        self._events, events_write = context.Pipe(duplex=False)
-        self._process = context.Process(
-            target=fetcher_main,
-            args=(jobs_read, events_write, reader_factory, gate),
-            name="kvstore-fetcher",
-            daemon=True,
-        )
-        self._process.start()
-        # Close our copies of the child's ends: when the child dies, our recv sees EOF.
-        jobs_read.close()
-        events_write.close()
+        # A model preset's layout, or an engine's own (``KVLayout.blocks_only``).
+        self.kv = geometry if isinstance(geometry, KVLayout) else KVLayout.from_geometry(geometry)
+        jobs_read, jobs_write = os.pipe()
+        events_read, events_write = os.pipe()
+        env = dict(os.environ)
+        # The child imports kvstore from where this process found it.
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "kvstore.gpu.fetcher", str(jobs_read), str(events_write)],
+                pass_fds=(jobs_read, events_write),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            # Close our copies of the child's ends: when the child dies, our recv sees EOF.
+            os.close(jobs_read)
+            os.close(events_write)
+        self._jobs = Connection(jobs_write, readable=False)
+        self._events = Connection(events_read, writable=False)
+        try:
+            self._jobs.send((reader_factory, gate))
+        except (OSError, ValueError) as error:
+            self._process.kill()
+            raise SwapInError(f"cannot start the fetcher: {error}") from error
         self._lock = threading.Lock()
         self._pending: dict[int, StagedFetch] = {}
         self._next_job = 1
@@ -360,7 +377,7 @@ class Fetcher:
 
     @property
     def alive(self) -> bool:
-        return self._dead is None and self._process.is_alive()
+        return self._dead is None and self._process.poll() is None
 
     def submit(
         self,
@@ -395,7 +412,7 @@ class Fetcher:
             staging_path=str(self.area.path),
             region_offset=region.offset,
             region_nbytes=region.nbytes,
-            geometry=self._geometry_dict,
+            kv=self.kv,
             keys=typed,
             lease_id=lease_id,
             state_key=state_key,
@@ -457,10 +474,11 @@ class Fetcher:
                 self._jobs.send(None)
             except (OSError, ValueError):
                 pass
-        self._process.join(timeout)
-        if self._process.is_alive():
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
             self._process.kill()
-            self._process.join(timeout)
+            self._process.wait(timeout)
         self._jobs.close()
         self._receiver.join(timeout)
         self._events.close()
@@ -470,3 +488,23 @@ class Fetcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvstore.gpu.fetcher JOBS_FD EVENTS_FD``: the fetcher process (started by
+    ``Fetcher``; the first message on JOBS is ``(reader_factory, gate)``)."""
+    args = sys.argv[1:] if argv is None else argv
+    jobs = Connection(int(args[0]), writable=False)
+    events = Connection(int(args[1]), readable=False)
+    try:
+        factory, gate = jobs.recv()
+    except (EOFError, OSError):
+        return
+    except Exception as error:  # noqa: BLE001 - an unpicklable factory: tell the engine
+        events.send(("dead", 0, f"reader factory did not arrive: {type(error).__name__}: {error}"))
+        return
+    fetcher_main(jobs, events, factory, gate)
+
+
+if __name__ == "__main__":
+    main()

@@ -87,6 +87,23 @@ class KVLayout:
         window = (decode.inference_ring, 1, decode.swa_bytes_per_token)
         return cls(tuple(layers), geometry.block_bytes, state_bytes, window)
 
+    @classmethod
+    def blocks_only(cls, layer_block_nbytes: list[int] | tuple[int, ...]) -> KVLayout:
+        """The layout of an engine that lays out its own blocks and keeps no SWA state (a vLLM
+        model: one entry per attention layer, the bytes of one block of its paged KV cache)."""
+        layers: list[LayerBytes] = []
+        offset = 0
+        for layer, nbytes in enumerate(layer_block_nbytes):
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+                raise InvalidArgument(
+                    "layer_block_nbytes", f"layer {layer}: must be > 0 bytes, got {nbytes!r}"
+                )
+            layers.append(LayerBytes(layer, offset, nbytes, 0, 0))
+            offset += nbytes
+        if not layers:
+            raise InvalidArgument("layer_block_nbytes", "needs at least one layer")
+        return cls(tuple(layers), offset, 0, (0, 1, 0))
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)

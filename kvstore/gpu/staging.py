@@ -242,7 +242,16 @@ class StagingArea:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.capacity)
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, self.capacity)
+            # Reserve every page now: a full /dev/shm is an error here, not a SIGBUS in the
+            # fetcher mid-load, and the first load does not pay for page allocation.
+            try:
+                os.posix_fallocate(fd, 0, self.capacity)
+            except OSError as error:
+                raise InvalidArgument(
+                    "capacity_bytes",
+                    f"{folder} has no room for {self.capacity} B of staging ({error.strerror})",
+                ) from None
+            self._mmap: mmap.mmap | None = _map(fd, self.capacity)
         except BaseException:
             os.close(fd)
             self.path.unlink(missing_ok=True)
@@ -345,12 +354,18 @@ def remove_stale_areas(directory: Path, name_prefix: str = "kvstore-staging") ->
     return removed
 
 
+def _map(fd: int, size: int) -> mmap.mmap:
+    """Map shared, read-write, page tables filled at once (Linux ``MAP_POPULATE``)."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
 def map_staging_file(path: str | os.PathLike[str]) -> tuple[mmap.mmap, np.ndarray]:
     """Map an existing staging file read-write (the fetcher process's side)."""
     fd = os.open(path, os.O_RDWR)
     try:
         size = os.fstat(fd).st_size
-        mapping = mmap.mmap(fd, size)
+        mapping = _map(fd, size)
     finally:
         os.close(fd)
     return mapping, np.frombuffer(mapping, dtype=np.uint8)

@@ -361,8 +361,14 @@ class RepairActor:
 
     def __init__(self, config: BlockStoreConfig, node_ids: Sequence[int], run: bool = True):
         fanout = RayFanout({}, resolve=name_resolver(config.deployment))
+        scrub_every = 0
+        if config.scrub_every_s:  # in ticks of the loop, at least one
+            scrub_every = max(1, round(config.scrub_every_s / config.health_interval_s))
         self._loop = RepairLoop(
-            Repairer(config, fanout, node_ids), HealthTracker(config.dead_after_s)
+            Repairer(config, fanout, node_ids),
+            HealthTracker(config.dead_after_s),
+            scrub_every=scrub_every,
+            scrub_limit=config.scrub_limit,
         )
         self._interval = config.health_interval_s
         self._lock = threading.Lock()

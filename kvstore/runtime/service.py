@@ -70,7 +70,13 @@ class Service:
         if config.run_gc:
             gc = deploy_gc(config.gc, blockstore_config)
         local_machine = next(iter(machines)) if len(machines) == 1 else None
-        tier = cluster_tier(blocks, swa, config.geometry, local_machine=local_machine)
+        tier = cluster_tier(
+            blocks,
+            swa,
+            config.geometry,
+            local_machine=local_machine,
+            block_bytes=config.block_bytes,
+        )
         return cls(config, blocks, swa, gc, tier)
 
     def stop(self) -> None:

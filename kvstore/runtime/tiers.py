@@ -64,9 +64,11 @@ def cluster_tier(
     local_machine: str | None = None,
     local_reads: bool | None = None,
     foreign_leases: bool = False,
+    block_bytes: int | None = None,
 ) -> ClusterTier:
     """The tier facade over a deployment (this process connected to its Ray cluster);
-    ``foreign_leases``: see ``ClusterTier``."""
+    ``foreign_leases``: see ``ClusterTier``; ``block_bytes``: the payload size it accepts
+    (default: the preset's)."""
     swa_client = None
     if swa is not None:
         swa_client = SWAClient(swa, SWARayTransport(swa), local_machine=local_machine)
@@ -75,7 +77,7 @@ def cluster_tier(
         swa=swa_client,
         geometry=geometry,
         state_size=geometry.state_size_to_disk,
-        block_bytes=geometry.block_bytes,
+        block_bytes=geometry.block_bytes if block_bytes is None else block_bytes,
         control=RayTierControl(blocks.metas, blocks.repair),
         foreign_leases=foreign_leases,
     )

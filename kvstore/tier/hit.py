@@ -206,7 +206,7 @@ class HitQuery:
         # Validate everything before taking a lease: a bad request acquires nothing.
         if mode not in MODES:
             raise InvalidArgument("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
-        cap = hit_cap(prompt_len, geometry=self._geometry)
+        cap = hit_cap(prompt_len, geometry=self._geometry, mode=mode)
         within_cap = cap // self._geometry.block_tokens
         keys = self._keys(keys_or_tokens, prompt_len, within_cap)
         run, lease = 0, None

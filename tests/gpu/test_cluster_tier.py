@@ -1,32 +1,28 @@
-"""The engine side against the real in-cluster tier: the erasure-coded block store and the SWA
-tier on the shared local Ray cluster. The fetcher process joins that cluster itself (it is given
-the cluster's address and the deployments' configs, not handles) and reads through the real
-clients; the connector plans with the real ``query_hit`` (block lease + SWA directory) and saves
-through the real ``put_blocks`` / SWA ``put``."""
+"""The connector core against the real in-cluster tier: the erasure-coded block store on the
+shared local Ray cluster. The fetcher process joins that cluster itself (it is given the
+cluster's address and the deployment's config, not handles) and reads through the real
+client; the scheduler plans with the real ``query_hit`` (a block lease taken) and the worker
+saves through the real ``put_blocks``."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
 from kvstore.geometry import GeometryConfig
-from kvstore.gpu.connector import ConnectorConfig, EngineRequest, KVConnector
-from kvstore.gpu.kvlayout import KVLayout
-from kvstore.gpu.pools import DevicePools
-from kvstore.keys import block_keys
+from kvstore.integrations.paged import PagedScheduler, PagedWorker
 from kvstore.runtime.cluster import LocalCluster
 from kvstore.runtime.deploy import deploy_blockstore
-from kvstore.runtime.swa_actors import deploy_swa
 from kvstore.runtime.tiers import ClusterReaderFactory, cluster_tier
-from kvstore.swa.config import SWAConfig
 
-GEOMETRY = GeometryConfig(num_state_seqs=2)
-KV = KVLayout.from_geometry(GEOMETRY)
+GEOMETRY = GeometryConfig()
+FINGERPRINT = b"cluster-engine".ljust(32, b"\0")
+SHAPE = (16, 2, 128, 64)  # 16 blocks of 64 KiB per layer, two layers
 
 
 @pytest.fixture(scope="module")
@@ -36,84 +32,67 @@ def deployed(ray_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
         data_root=str(root), deployment="gpuengine", node=StorageNodeConfig(fsync="never")
     )
     blocks = deploy_blockstore(config, ray_cluster, start_repair=False)
-    swa = None
     try:
-        swa = deploy_swa(
-            {m: ray_cluster.node_id(m) for m in ray_cluster.machines[:3]},
-            config=SWAConfig(name="gpuengine", capacity_bytes=8 * KV.state_bytes),
-            geometry=GEOMETRY,
-        )
-        yield config, blocks, swa
+        yield config, blocks
     finally:
-        if swa is not None:
-            swa.shutdown()
         blocks.shutdown()
 
 
-def test_load_from_the_real_tier_and_save_back(ray_cluster: LocalCluster, deployed) -> None:
-    config, blocks, swa = deployed
-    m0, m1 = ray_cluster.machines[:2]
-    tier = cluster_tier(blocks, swa, GEOMETRY, local_machine=m0)
-    rng = np.random.default_rng(7)
-    tokens = rng.integers(0, 50_000, 5 * 128 + 60)  # 700 tokens: cap 566 → L1 = 512
-    keys = block_keys(GEOMETRY.fingerprint(), tokens)
-    payloads = [rng.integers(0, 256, KV.block_bytes, dtype=np.uint8) for _ in keys[:4]]
-    put = tier.put_blocks(keys[:4], [p.tobytes() for p in payloads], "chatbot")
-    assert put.committed == 4 and put.failed_keys == ()
-    state = rng.integers(0, 256, KV.state_bytes, dtype=np.uint8)
-    assert tier.put_swa_state(keys[3], 512, state.tobytes(), machine=m1) == m1
+def engine(ray_cluster, config, tier, seed: int | None) -> tuple[PagedScheduler, PagedWorker, list]:
+    """One engine's halves over its KV tensors (NaN where it computed nothing)."""
+    if seed is None:
+        tensors = [torch.full(SHAPE, float("nan")) for _ in range(2)]
+    else:
+        made = torch.Generator().manual_seed(seed)
+        tensors = [torch.randn(SHAPE, generator=made) for _ in range(2)]
+    factory = ClusterReaderFactory(ray_cluster.address, config, GEOMETRY)
+    worker = PagedWorker(tensors, factory, tier, staging_bytes=16 << 20, layer_timeout_s=120)
+    scheduler = PagedScheduler(tier, FINGERPRINT, mode="full-attention", reads_end_leases=False)
+    return scheduler, worker, tensors
 
-    pools = DevicePools(GEOMETRY, num_blocks=8)
-    factory = ClusterReaderFactory(
-        ray_cluster.address, config, GEOMETRY, swa.layout(), local_machine=m0
-    )
-    connector = KVConnector(
-        pools,
-        reader_factory=factory,
-        writer=tier,
-        hit_source=tier,
-        config=ConnectorConfig(staging_bytes=16 << 20, layer_timeout_s=120),
-    )
+
+def step(scheduler: PagedScheduler, worker: PagedWorker) -> None:
+    worker.start(scheduler.build())
+    for layer in range(2):
+        worker.wait_layer(layer)
+        worker.save_layer(layer)
+    worker.finish_step()
+
+
+def test_a_second_engine_loads_from_the_real_tier_and_gives_the_lease_back(
+    ray_cluster: LocalCluster, deployed
+) -> None:
+    config, blocks = deployed
+    tier = cluster_tier(blocks, None, GEOMETRY, block_bytes=2 * 64 * 1024)
+    prompt = [int(t) for t in np.random.default_rng(7).integers(2, 50_000, 4 * 128 + 60)]
+    a_sched, a, a_kv = engine(ray_cluster, config, tier, seed=1)
     try:
-        request = EngineRequest("r", tuple(int(t) for t in tokens), traffic_class="chatbot")
-        assert connector.get_num_new_matched_tokens(request, 0) == (512, False)
-        table = pools.blocks.allocate("r", 6)
-        slot = pools.slots.allocate("r")
-        connector.update_state_after_alloc(request, table, slot, 512)
-        connector.bind_connector_metadata(connector.build_connector_meta())
-        connector.start_load_kv()
-        for layer in range(GEOMETRY.num_layers):
-            connector.wait_for_layer_load(layer)
-        connector.wait_for_save()
-        assert connector.get_block_ids_with_load_errors() == set()
-        for layer in KV.block_layers:
-            rows = pools.read_blocks(layer, table[:4]).numpy()
-            for row, payload in zip(rows, payloads, strict=True):
-                assert np.array_equal(row, KV.block_slice(payload, layer))
-        for layer in KV.state_layers:
-            assert np.array_equal(pools.swa[layer][slot].numpy(), KV.state_slice(state, layer))
-        assert tier.stats().extra["open_leases"] == 0  # given back after the load
-
-        # This engine computes block 4 and saves it through the real block store.
-        block_four = rng.integers(0, 256, KV.block_bytes, dtype=np.uint8)
-        for layer in KV.block_layers:
-            pools.block_kv[layer][table[4]] = pools.block_kv[layer].new_tensor(
-                KV.block_slice(block_four, layer)
-            )
-        connector.schedule_prefill_save(request, table, None)
-        connector.bind_connector_metadata(connector.build_connector_meta())
-        connector.start_load_kv()
-        for layer in range(GEOMETRY.num_layers):
-            connector.save_kv_layer(layer)
-        connector.wait_for_save()
-        pending = connector.request_finished(request, table, slot)
-        deadline = time.monotonic() + 120
-        while pending and "r" not in connector.get_finished({"r"})[0]:
-            assert time.monotonic() < deadline, "the save never finished"
-            time.sleep(0.05)
-        (result,) = [r for r in connector.save_results if r.request_id == "r"]
-        assert result.error is None and result.saved_keys == (keys[4],)
+        assert a_sched.matched_tokens("r", prompt, 0) == 0
+        a_sched.allocated("r", [0, 1, 2, 3, 4], 0)
+        a_sched.step("r", prompt, len(prompt), table=[0, 1, 2, 3, 4])
+        step(a_sched, a)
+        assert a.flush(120) and a.stats.blocks_saved == 4 and a.stats.saves_failed == 0
     finally:
-        connector.shutdown()
-    (read,) = blocks.client().get_blocks([keys[4]])
-    assert read is not None and np.array_equal(np.asarray(read), block_four)
+        a.close()
+
+    b_sched, b, b_kv = engine(ray_cluster, config, tier, seed=None)
+    try:
+        assert b_sched.matched_tokens("r", prompt, 0) == 512
+        b_sched.allocated("r", [9, 8, 7, 6, 5], 512)
+        b_sched.step("r", prompt, len(prompt), table=[9, 8, 7, 6, 5])
+        step(b_sched, b)
+        assert b.load_errors() == set()
+        for mine, theirs in zip([9, 8, 7, 6], [0, 1, 2, 3], strict=True):
+            for layer in range(2):
+                assert torch.equal(b_kv[layer][mine], a_kv[layer][theirs])
+        b_sched.build()  # the next step: the load has run, its lease ends
+        assert tier.stats().extra["open_leases"] == 0
+
+        # Planned and dropped before its step: the lease goes back at once.
+        assert b_sched.matched_tokens("gone", prompt, 0) == 512
+        b_sched.allocated("gone", [10, 11, 12, 13, 14], 512)
+        assert tier.stats().extra["open_leases"] == 1
+        assert b_sched.finished("gone") is False
+        assert tier.stats().extra["open_leases"] == 0
+    finally:
+        b.close()

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.geometry import GeometryConfig
-from kvstore.gpu.connector import ConnectorConfig, EngineRequest, KVConnector
 from kvstore.gpu.fetcher import Fetcher, FileGate
 from kvstore.gpu.pools import DevicePools
 from kvstore.gpu.save import Saver, SaveSpec, StateSave
 from kvstore.gpu.swapin import LoadTarget, SwapIn
+from kvstore.integrations.paged import PagedScheduler, PagedWorker
 from kvstore.keys import block_keys
+from kvstore.tier.files import DirectoryTier
 
 pytestmark = [
     pytest.mark.cuda,
@@ -145,33 +145,31 @@ def test_save_from_the_gpu_adds_no_host_sync_and_round_trips(
         assert np.array_equal(kv.state_slice(state, layer), window[layer].numpy())
 
 
-def test_connector_round_trip_on_cuda(tier, store, kv) -> None:
-    prompt = store(5 * 128 + 60, state_at=640)
-    pools = DevicePools(GeometryConfig(num_state_seqs=2), num_blocks=8, device="cuda")
-    connector = KVConnector(
-        pools,
-        reader_factory=tier.factory(),
-        writer=tier,
-        hit_source=tier,
-        config=ConnectorConfig(staging_bytes=32 << 20, layer_timeout_s=60),
-    )
-    try:
-        request = EngineRequest("c", tuple(int(t) for t in prompt.tokens) + tuple(range(100)))
-        external, _ = connector.get_num_new_matched_tokens(request, 0)
-        assert external == 640
-        table = pools.blocks.allocate("c", 7)
-        slot = pools.slots.allocate("c")
-        connector.update_state_after_alloc(request, table, slot, external)
-        connector.bind_connector_metadata(connector.build_connector_meta())
-        connector.start_load_kv()
-        for layer in range(pools.geometry.num_layers):
-            connector.wait_for_layer_load(layer)
-            connector.save_kv_layer(layer)
-        connector.wait_for_save()
-        assert connector.get_block_ids_with_load_errors() == set()
-        for layer in kv.block_layers:
-            rows = pools.read_blocks(layer, table[:5]).cpu().numpy()
-            for row, payload in zip(rows, prompt.payloads[:5], strict=True):
-                assert np.array_equal(row, kv.block_slice(payload, layer))
-    finally:
-        connector.shutdown()
+def test_paged_connector_core_round_trip_on_cuda(tmp_path) -> None:
+    """One engine saves blocks of CUDA KV tensors, a second loads them into its own."""
+    files = DirectoryTier(tmp_path / "paged")
+    shape = (8, 2, 128, 64)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(2, 1000, 300)]
+    kv = {
+        "a": [torch.randn(shape, device="cuda") for _ in range(2)],
+        "b": [torch.full(shape, float("nan"), device="cuda") for _ in range(2)],
+    }
+    for name, table in (("a", [4, 5, 6]), ("b", [1, 0, 7])):
+        scheduler = PagedScheduler(files, b"cuda-engine".ljust(32, b"\0"), mode="full-attention")
+        worker = PagedWorker(kv[name], files.factory(), files, staging_bytes=16 << 20)
+        try:
+            external = scheduler.matched_tokens("r", prompt, 0)
+            assert external == (0 if name == "a" else 256)
+            scheduler.allocated("r", table, external)
+            scheduler.step("r", prompt, len(prompt), table=table)
+            worker.start(scheduler.build())
+            for layer in range(2):
+                worker.wait_layer(layer)
+                worker.save_layer(layer)
+            worker.finish_step()
+            assert worker.flush(60) and worker.load_errors() == set()
+        finally:
+            worker.close()
+    for layer in range(2):
+        assert torch.equal(kv["b"][layer][1], kv["a"][layer][4])
+        assert torch.equal(kv["b"][layer][0], kv["a"][layer][5])

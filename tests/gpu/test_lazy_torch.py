@@ -9,7 +9,9 @@ import sys
 MODULES = [
     "kvstore.cli",
     "kvstore.gpu",
-    "kvstore.gpu.connector",
+    "kvstore.integrations.paged",
+    "kvstore.integrations.settings",
+    "kvstore.integrations.tiny_model",
     "kvstore.gpu.fetcher",
     "kvstore.gpu.staging",
     "kvstore.gpu.swapin",

@@ -27,6 +27,8 @@ def test_defaults_follow_the_spec() -> None:
         ({"lease_seconds": 0}, "lease_seconds"),
         ({"hedge_after_s": -1.0}, "hedge_after_s"),
         ({"repair_batch": 0}, "repair_batch"),
+        ({"scrub_every_s": -1}, "scrub_every_s"),
+        ({"scrub_limit": 0}, "scrub_limit"),
         ({"data_root": ""}, "data_root"),
         ({"deployment": "a b"}, "deployment"),
     ],

@@ -49,6 +49,16 @@ def test_json_bounded_replay(capsys):
     assert data["compute_from"] == 1152
 
 
+def test_full_attention_caps_at_one_token_and_looks_for_no_state(capsys):
+    # 1300 − 1 = 1299 → 10 blocks = 1280 = B: hit 1280, no SWA lookup (the standard rule: 1024).
+    argv = ["--prompt-len", "1300", "--block-hit-tokens", "1280", "--mode", "full-attention"]
+    data = plan_json(capsys, *argv)
+    assert (data["cap"], data["hit_tokens"], data["swa_position"]) == (1299, 1280, None)
+    assert main(["plan", *argv]) == 0
+    table = capsys.readouterr().out
+    assert "cap (L − 1)" in table and "full attention: no window state" in table
+
+
 def test_json_nothing_to_reuse(capsys):
     data = plan_json(capsys, "--prompt-len", "100", "--block-hit-tokens", "0")
     assert data["hit_tokens"] == 0

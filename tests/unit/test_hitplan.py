@@ -19,6 +19,7 @@ from kvstore import hitplan
 from kvstore.errors import InvalidArgument
 from kvstore.hitplan import (
     BOUNDED_REPLAY,
+    FULL_ATTENTION,
     STANDARD,
     check_store_position,
     chunked_prefill_store_position,
@@ -132,6 +133,28 @@ def test_bounded_replay_hand_computed(
     assert plan.replay_tokens == replay_tokens
     # Replay rebuilds SWA only: the first token computed is still L1, not the replay start.
     assert plan.compute_from == hit
+
+
+# (L, B, hit): full attention keeps 1 token to compute: cap L − 1, whole blocks, no SWA.
+FULL_ATTENTION_CASES = [
+    (100, 0, 0),  # shorter than a block
+    (128, 128, 0),  # exactly one block: cap 127 holds no whole block
+    (129, 128, 128),
+    (256, 256, 128),  # exactly two blocks: cap 255 → one
+    (257, 256, 256),
+    (1300, 1280, 1280),  # the standard rule would stop at 1152 (cap 1166) and back off
+    (1300, 512, 512),  # the run, not the cap, is what limits
+]
+
+
+@pytest.mark.parametrize(("length", "block_hit", "hit"), FULL_ATTENTION_CASES)
+def test_full_attention_hand_computed(length, block_hit, hit):
+    plan = plan_hit(length, block_hit, None, mode=FULL_ATTENTION)
+    assert plan.cap == length - 1
+    assert plan.block_hit_tokens == plan.hit_tokens == plan.compute_from == hit
+    assert plan.swa_position is None and not plan.swa_hit and plan.replay_tokens == 0
+    assert hit_cap(length, mode=FULL_ATTENTION) == length - 1
+    assert ("full attention" in plan.reason) == (hit > 0)
 
 
 # (L, store position): floor((L − 1) / 128) · 128, None when 0.

@@ -1,4 +1,5 @@
-"""The Ray boundary, checked: product code outside ``kvstore/runtime/`` imports no ``ray``.
+"""The Ray boundary, checked: product code outside ``kvstore/runtime/`` imports no ``ray``; and
+only the vLLM connector (``kvstore.integrations.vllm``) and its runner import vLLM.
 
 Logic packages (``tier``, ``blockstore``, ``swa``, ``gc``, ``api``, ``gpu``, ``ec``, ``ledger``,
 ``verify``, ...) reach the cluster only through injected seams (a ``Fanout``, an ``SWATransport``,
@@ -29,6 +30,10 @@ WIRING = (
     "kvstore.chaos",  # failure injection: kills actors and machines by their Ray handles
 )
 FORBIDDEN = ("ray", "kvstore.runtime")
+#: The modules that may import vLLM: the connector vLLM loads by name, and the runner that
+#: serves prompts in one engine (tests, benchmark, a user's smoke test).
+VLLM_GLUE = "kvstore.integrations.vllm"
+VLLM_MODULES = (VLLM_GLUE, "kvstore.integrations.vllm_run")
 
 
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -99,7 +104,9 @@ def test_importing_the_logic_packages_loads_no_ray() -> None:
     logic = sorted(
         module
         for module in package_sources()
-        if not _within(module, WIRING) and not module.startswith("kvstore.api.v1")
+        if not _within(module, WIRING)
+        and not module.startswith("kvstore.api.v1")
+        and module not in VLLM_MODULES  # need vLLM, which has a venv of its own
     )
     code = "import sys\n" + "".join(f"import {m}\n" for m in logic)
     code += "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
@@ -107,3 +114,22 @@ def test_importing_the_logic_packages_loads_no_ray() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert done.stdout.strip() == "[]", done.stderr[-2000:]
+
+
+def vllm_importers(modules: dict[str, str]) -> list[str]:
+    return sorted(
+        module
+        for module, source in modules.items()
+        if module not in VLLM_MODULES and any(_within(n, ("vllm",)) for n in imports_of(source))
+    )
+
+
+def test_only_the_connector_imports_vllm() -> None:
+    sources = package_sources()
+    assert VLLM_GLUE in sources and "vllm" in {
+        n.split(".")[0] for n in imports_of(sources[VLLM_GLUE])
+    }
+    assert vllm_importers(sources) == []
+    lazy = "def f():\n    from vllm import LLM\n    return LLM\n"
+    broken = {**sources, "kvstore.integrations.paged": sources["kvstore.integrations.paged"] + lazy}
+    assert vllm_importers(broken) == ["kvstore.integrations.paged"]

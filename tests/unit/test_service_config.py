@@ -12,7 +12,7 @@ from kvstore.config import ServiceConfig, from_env
 from kvstore.errors import ConfigError
 from kvstore.gc.config import DEFAULT_CLASSES, DEFAULT_LEASE_S, GCConfig
 from kvstore.geometry import GeometryConfig
-from kvstore.gpu.connector import ConnectorConfig
+from kvstore.swa.config import SWAConfig
 
 
 def test_defaults_are_stated_once_and_agree() -> None:
@@ -70,8 +70,21 @@ def test_bad_values_are_named() -> None:
 
 def test_every_config_reads_the_environment_through_the_one_loader() -> None:
     assert from_env(GeometryConfig, "KVSTORE_", {"KVSTORE_NUM_STATE_SEQS": "3"}).num_state_seqs == 3
-    gpu = ConnectorConfig.from_env({"KVSTORE_GPU_STAGING_BYTES": "2097152", "KVSTORE_GPU_MODE": ""})
-    assert gpu.staging_bytes == 2 << 20 and gpu.mode == "standard"  # empty = unset
+    swa = from_env(SWAConfig, "KVSTORE_SWA_", {"KVSTORE_SWA_NAME": ""})
+    assert swa == SWAConfig()  # empty = unset
     with pytest.raises(ConfigError) as bad:
-        ConnectorConfig.from_env({"KVSTORE_GPU_LAYER_TIMEOUT_S": "long"})
-    assert bad.value.field == "KVSTORE_GPU_LAYER_TIMEOUT_S"
+        from_env(GeometryConfig, "KVSTORE_", {"KVSTORE_WINDOW": "long"})
+    assert bad.value.field == "KVSTORE_WINDOW"
+
+
+def test_the_block_size_the_tier_accepts_can_be_set_for_an_engine_of_its_own(tmp_path) -> None:
+    config = ServiceConfig.from_env({"KVSTORE_BLOCK_BYTES": "131072"}, data_root=tmp_path)
+    assert config.block_bytes == 131072
+    assert ServiceConfig.from_env({}, data_root=tmp_path, block_bytes=4096).block_bytes == 4096
+    assert ServiceConfig.from_env({}, data_root=tmp_path).block_bytes is None  # the preset's
+    with pytest.raises(ConfigError) as bad:
+        ServiceConfig.from_env({"KVSTORE_BLOCK_BYTES": "big"}, data_root=tmp_path)
+    assert bad.value.field == "KVSTORE_BLOCK_BYTES"
+    with pytest.raises(ConfigError) as bad:
+        ServiceConfig.from_env({}, data_root=tmp_path, block_bytes=0)
+    assert bad.value.field == "block_bytes"

@@ -12,6 +12,7 @@ class HitMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HIT_MODE_UNSPECIFIED: _ClassVar[HitMode]
     HIT_MODE_STANDARD: _ClassVar[HitMode]
     HIT_MODE_BOUNDED_REPLAY: _ClassVar[HitMode]
+    HIT_MODE_FULL_ATTENTION: _ClassVar[HitMode]
 
 class Advice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,6 +22,7 @@ class Advice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 HIT_MODE_UNSPECIFIED: HitMode
 HIT_MODE_STANDARD: HitMode
 HIT_MODE_BOUNDED_REPLAY: HitMode
+HIT_MODE_FULL_ATTENTION: HitMode
 ADVICE_UNSPECIFIED: Advice
 ADVICE_FETCH: Advice
 ADVICE_REPLAY: Advice

@@ -1,0 +1,100 @@
+"""Serve prompts in one fresh vLLM engine and print what came out: a smoke test of a connector
+configuration, and the engine half of the connector's tests and TTFT benchmark.
+
+    python -m kvstore.integrations.vllm_run SPEC.json
+
+SPEC (JSON): ``model`` (directory or hub id), ``prompts`` (lists of token ids, served one
+after another, each on its own), and optionally ``connector`` (the ``kv_connector_extra_config``
+of ``kvstore.integrations.vllm``; null = no connector), ``max_tokens`` (4), ``prefix_caching``
+(false: vLLM's own cache off, so every reused token comes from kvstore), ``multiprocessing``
+(false: one process), ``kv_cache_bytes`` (64 MiB), ``max_model_len``, ``dtype`` ("float32").
+
+Prints one line ``RESULT {json}``: per prompt the greedy token ids, their logprobs,
+``num_cached_tokens`` and the seconds ``generate`` took; with a connector in one process, the
+worker's figures after each prompt (``kvstore.integrations.paged.WorkerStats``) and the key
+fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing") else "0"
+    from vllm import LLM, SamplingParams
+
+    transfer = None
+    if spec.get("connector") is not None:
+        transfer = {
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvstore.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": spec["connector"],
+        }
+    options: dict[str, Any] = {}
+    if spec.get("max_model_len"):
+        options["max_model_len"] = int(spec["max_model_len"])
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec.get("dtype", "float32"),
+        block_size=128,
+        enforce_eager=True,
+        kv_cache_memory_bytes=int(spec.get("kv_cache_bytes", 64 << 20)),
+        enable_prefix_caching=bool(spec.get("prefix_caching", False)),
+        kv_transfer_config=transfer,
+        seed=0,
+        **options,
+    )
+    worker = None
+    if transfer is not None and not spec.get("multiprocessing"):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group()
+    params = SamplingParams(max_tokens=int(spec.get("max_tokens", 4)), temperature=0.0, logprobs=1)
+    results = []
+    for prompt in spec["prompts"]:
+        started = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - started
+        completion = out.outputs[0]
+        pairs = zip(completion.token_ids, completion.logprobs or [], strict=True)
+        entry: dict[str, Any] = {
+            "tokens": list(completion.token_ids),
+            "logprobs": [step[token].logprob for token, step in pairs],
+            "num_cached_tokens": out.num_cached_tokens,
+            "seconds": seconds,
+        }
+        if worker is not None and worker.worker is not None:
+            entry["worker"] = dict(vars(worker.worker.stats))
+        results.append(entry)
+    answer: dict[str, Any] = {"results": results, "worker": None, "fingerprint": None}
+    if worker is not None:
+        from kvstore.integrations.settings import engine_fingerprint
+
+        answer["fingerprint"] = engine_fingerprint(worker.layout).hex()
+        if worker.worker is not None:
+            worker.worker.flush(60.0)  # the saves reach the tier before this engine exits
+            answer["worker"] = dict(vars(worker.worker.stats))
+    return answer
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    spec = json.loads(Path(args[0]).read_text())
+    print("RESULT " + json.dumps(run(spec)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

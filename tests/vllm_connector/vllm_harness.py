@@ -1,0 +1,98 @@
+"""Helpers of the vLLM connector tests: a real ``kvstore up``, a fresh engine process.
+
+- ``start_tier``: a real ``kvstore up`` in its own process (embedded local Ray cluster, gRPC on
+  port 0, 127.0.0.1), accepting the tiny model's 128 KiB blocks (``--block-bytes``).
+- ``run_engine``: one vLLM engine in a fresh process (``python -m
+  kvstore.integrations.vllm_run``), its results as JSON.
+
+These need vLLM (``.ci/run`` installs it in its own venv and runs ``-m vllm`` there); without
+it the test modules skip themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstore.integrations.tiny_model import TinyLlama
+from kvstore.runtime.upprocess import TierProcess
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SHAPE = TinyLlama()
+BLOCK_BYTES = SHAPE.block_bytes()
+#: Every engine and server of these tests stays on loopback.
+LOOPBACK_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ, **LOOPBACK_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def start_tier(data_dir: Path, log: Path) -> TierProcess:
+    """A real ``kvstore up`` taking the tiny model's blocks (shards are not fsynced: tests).
+    The storage nodes keep no RAM read cache, as in the chaos scenarios (a shard damaged on
+    disk is then what every read sees, whatever read it before), and run no background scrub:
+    the corruption test damages shards behind the tier's back and needs the engine, not a
+    scrub pass that may come first, to be the one that meets the damage."""
+    env = dict(
+        os.environ,
+        **LOOPBACK_ENV,
+        KVSTORE_BLOCKSTORE_NODE_READ_CACHE_BYTES="0",
+        KVSTORE_BLOCKSTORE_SCRUB_EVERY_S="0",
+    )
+    return TierProcess.start(
+        data_dir, "--block-bytes", str(BLOCK_BYTES), "--fsync", "never", env=env, log=log
+    )
+
+
+def run_engine(
+    model: Path,
+    prompts: list[list[int]],
+    connector: dict[str, Any] | None,
+    *,
+    multiprocessing: bool = False,
+    max_tokens: int = 4,
+    timeout: float = 400.0,
+    tmp: Path,
+    expect_failure: bool = False,
+) -> dict[str, Any]:
+    """Serve ``prompts`` one after another in a fresh engine process; its results (with
+    ``expect_failure``: the engine must fail, and its ``stderr`` is all there is)."""
+    spec = tmp / f"spec-{time.monotonic_ns()}.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "model": str(model),
+                "prompts": prompts,
+                "connector": connector,
+                "multiprocessing": multiprocessing,
+                "max_tokens": max_tokens,
+            }
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.integrations.vllm_run", str(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+        cwd=tmp,
+    )
+    if expect_failure:
+        assert done.returncode != 0, "the engine started, and should not have"
+        return {"stderr": done.stderr}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, (
+        f"engine failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    )
+    result = json.loads(lines[-1][len("RESULT ") :])
+    result["stderr"] = done.stderr
+    return result
