@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -47,6 +46,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 sys.path.insert(0, str(ROOT))
 
 from kvstore.integrations.tiny_model import TinyLlama, build_tiny_llama  # noqa: E402
+from kvstore.integrations.vllm_run import fresh_engine  # noqa: E402
 from kvstore.runtime.upprocess import TierProcess  # noqa: E402
 
 #: Targets of issue 16.
@@ -56,26 +56,12 @@ WARM_OVER_LOCAL = 2.0
 
 def engine(spec: dict[str, Any], scratch: Path, label: str) -> dict[str, Any]:
     """One engine in a fresh process; its ``vllm_run`` answer."""
-    path = scratch / f"{label}.json"
-    path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_LOGGING_LEVEL="WARNING")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "kvstore.integrations.vllm_run", str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not lines:
+    done = fresh_engine(spec, scratch, env=dict(os.environ, VLLM_LOGGING_LEVEL="WARNING"))
+    if done.result is None:
         raise RuntimeError(f"engine {label} failed:\n{done.stderr[-3000:]}")
-    print(
-        f"  {label}: "
-        + ", ".join(f"{r['seconds']:.2f} s" for r in json.loads(lines[-1][7:])["results"]),
-        file=sys.stderr,
-    )
-    return json.loads(lines[-1][len("RESULT ") :])
+    took = ", ".join(f"{r['seconds']:.2f} s" for r in done.result["results"])
+    print(f"  engine {label}: {took}", file=sys.stderr)
+    return done.result
 
 
 def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:

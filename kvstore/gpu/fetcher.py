@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvstore.childenv import child_env
 from kvstore.errors import InvalidArgument, SwapInError
 from kvstore.geometry import GeometryConfig
 from kvstore.gpu.kvlayout import KVLayout
@@ -340,15 +341,11 @@ class Fetcher:
         self.kv = geometry if isinstance(geometry, KVLayout) else KVLayout.from_geometry(geometry)
         jobs_read, jobs_write = os.pipe()
         events_read, events_write = os.pipe()
-        env = dict(os.environ)
-        # The child imports kvstore from where this process found it.
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "kvstore.gpu.fetcher", str(jobs_read), str(events_write)],
                 pass_fds=(jobs_read, events_write),
-                env=env,
+                env=child_env(),
                 stdin=subprocess.DEVNULL,
             )
         finally:

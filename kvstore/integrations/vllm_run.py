@@ -12,17 +12,24 @@ of ``kvstore.integrations.vllm``; null = no connector), ``max_tokens`` (4), ``pr
 Prints one line ``RESULT {json}``: per prompt the greedy token ids, their logprobs,
 ``num_cached_tokens`` and the seconds ``generate`` took; with a connector in one process, the
 worker's figures after each prompt (``kvstore.integrations.paged.WorkerStats``) and the key
-fingerprint.
+fingerprint. ``fresh_engine`` runs it in a new process from Python (tests, benchmark).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvstore.childenv import child_env
+
+_RESULT = "RESULT "
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -86,13 +93,47 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+@dataclass(frozen=True)
+class FreshRun:
+    """What a fresh engine process did: its answer (None when it failed) and its output."""
+
+    returncode: int
+    result: dict[str, Any] | None
+    stdout: str
+    stderr: str
+
+
+def fresh_engine(
+    spec: dict[str, Any],
+    workdir: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 900.0,
+) -> FreshRun:
+    """Run ``spec`` in a new ``python -m kvstore.integrations.vllm_run`` process (its spec file
+    and working directory in ``workdir``), vLLM's sockets on loopback."""
+    path = workdir / f"engine-spec-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(spec))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.integrations.vllm_run", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=child_env(env, VLLM_HOST_IP="127.0.0.1"),
+        cwd=workdir,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
+    result = json.loads(lines[-1][len(_RESULT) :]) if done.returncode == 0 and lines else None
+    return FreshRun(done.returncode, result, done.stdout, done.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if args and args[0] in ("-h", "--help") else 2
     spec = json.loads(Path(args[0]).read_text())
-    print("RESULT " + json.dumps(run(spec)), flush=True)
+    print(_RESULT + json.dumps(run(spec)), flush=True)
     return 0
 
 

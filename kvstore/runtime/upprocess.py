@@ -10,7 +10,6 @@ The address is read from what ``kvstore up`` prints (it binds port 0 unless told
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -19,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
+from kvstore.childenv import ROOT, child_env
 
 _SERVING = re.compile(r"serving kvstore\.v1\.KVStore on (\S+:\d+)")
 
@@ -46,12 +47,9 @@ class TierProcess:
         log = log or data_dir / "kvstore-up.log"
         command = [sys.executable, "-m", "kvstore.cli", "up", "--port", "0"]
         command += ["--data-dir", str(data_dir), *args]
-        child_env = dict(os.environ if env is None else env)
-        root = str(Path(__file__).resolve().parents[2])
-        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
         with log.open("wb") as out:
             process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=child_env, cwd=root
+                command, stdout=out, stderr=subprocess.STDOUT, env=child_env(env), cwd=ROOT
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

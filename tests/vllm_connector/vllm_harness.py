@@ -11,19 +11,14 @@ it the test modules skip themselves.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.childenv import child_env as kvstore_child_env
 from kvstore.integrations.tiny_model import TinyLlama
+from kvstore.integrations.vllm_run import fresh_engine
 from kvstore.runtime.upprocess import TierProcess
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 SHAPE = TinyLlama()
 BLOCK_BYTES = SHAPE.block_bytes()
 #: Every engine and server of these tests stays on loopback.
@@ -31,9 +26,8 @@ LOOPBACK_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def child_env() -> dict[str, str]:
-    env = dict(os.environ, **LOOPBACK_ENV)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
+    """The environment of every child of these tests: kvstore importable, vLLM on loopback."""
+    return kvstore_child_env(**LOOPBACK_ENV)
 
 
 def start_tier(data_dir: Path, log: Path) -> TierProcess:
@@ -43,8 +37,7 @@ def start_tier(data_dir: Path, log: Path) -> TierProcess:
     the corruption test damages shards behind the tier's back and needs the engine, not a
     scrub pass that may come first, to be the one that meets the damage."""
     env = dict(
-        os.environ,
-        **LOOPBACK_ENV,
+        child_env(),
         KVSTORE_BLOCKSTORE_NODE_READ_CACHE_BYTES="0",
         KVSTORE_BLOCKSTORE_SCRUB_EVERY_S="0",
     )
@@ -66,33 +59,16 @@ def run_engine(
 ) -> dict[str, Any]:
     """Serve ``prompts`` one after another in a fresh engine process; its results (with
     ``expect_failure``: the engine must fail, and its ``stderr`` is all there is)."""
-    spec = tmp / f"spec-{time.monotonic_ns()}.json"
-    spec.write_text(
-        json.dumps(
-            {
-                "model": str(model),
-                "prompts": prompts,
-                "connector": connector,
-                "multiprocessing": multiprocessing,
-                "max_tokens": max_tokens,
-            }
-        )
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "kvstore.integrations.vllm_run", str(spec)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(),
-        cwd=tmp,
-    )
+    spec = {
+        "model": str(model),
+        "prompts": prompts,
+        "connector": connector,
+        "multiprocessing": multiprocessing,
+        "max_tokens": max_tokens,
+    }
+    done = fresh_engine(spec, tmp, env=child_env(), timeout_s=timeout)
     if expect_failure:
         assert done.returncode != 0, "the engine started, and should not have"
         return {"stderr": done.stderr}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, (
-        f"engine failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    )
-    result = json.loads(lines[-1][len("RESULT ") :])
-    result["stderr"] = done.stderr
-    return result
+    assert done.result is not None, f"engine failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return {**done.result, "stderr": done.stderr}
