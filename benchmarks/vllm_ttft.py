@@ -22,10 +22,8 @@ until the tier's answer (the read), and how much of the load overlapped the engi
 (1 − the time the forward waited on it / the load's time). Warm TTFT minus the forward's wait
 is what the warm request cost besides the load: compare it with the local TTFT.
 
-The headline runs the tier with ``KVSTORE_BLOCKSTORE_LOCAL_READS=false``: every shard is read
-through a storage node's actor, as in a multi-machine deployment, where a reader has at most
-one of a stripe's 12 nodes on its own machine. ``--local-reads`` runs with the same-machine
-shortcut instead (it exists only because every node shares this machine: not a headline).
+Every shard is read through its storage node, as in a multi-machine deployment (the tier has
+no same-machine shortcut), although all 12 nodes share this machine here.
 """
 
 from __future__ import annotations
@@ -74,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (default 8192)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--local-reads", action="store_true", help="use the same-machine shortcut")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     if args.runs < 3:
@@ -104,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(scratch_dir)
         print(f"building the model ({shape}) ...", file=sys.stderr)
         model = build_tiny_llama(scratch / "model", shape)
-        tier_env = dict(os.environ, KVSTORE_BLOCKSTORE_LOCAL_READS=str(args.local_reads).lower())
         print("starting kvstore up ...", file=sys.stderr)
         with TierProcess.start(
             scratch / "tier",
@@ -113,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
             "--fsync",
             "never",
             "--no-gc",
-            env=tier_env,
         ) as tier:
             base = {
                 "model": str(model),
@@ -158,7 +153,6 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": args.tokens,
         "model": {"layers": shape.layers, "hidden": shape.hidden, "kv_heads": shape.kv_heads},
         "block_bytes": block_bytes,
-        "reads": "local shortcut" if args.local_reads else "through storage nodes (headline)",
         "runs": args.runs,
         "seconds": rows,
         "median_s": median,
@@ -178,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(figures, indent=2))
         return 0
-    print(f"vLLM TTFT, {args.tokens}-token prompt, {figures['reads']}, medians of {args.runs}")
+    print(f"vLLM TTFT, {args.tokens}-token prompt, medians of {args.runs}")
     print(f"{'':34}{'TTFT s':>10}{'runs':>30}")
     names = {
         "cold": "cold (no cache)",

@@ -156,6 +156,10 @@ class PrivateDir:
         """``name`` opened for reading, never through a symlink (the caller closes it)."""
         return os.open(name, _READ, dir_fd=self.fd)
 
+    def open_write(self, name: str) -> int:
+        """The existing file ``name`` opened for writing, never through a symlink."""
+        return os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+
     def read(self, name: str) -> bytes:
         """The whole of file ``name`` (``FileNotFoundError`` when absent)."""
         with os.fdopen(self.open_read(name), "rb", buffering=0) as handle:
@@ -181,6 +185,13 @@ class PrivateDir:
         """A regular file is at ``name`` (a symlink is not one)."""
         try:
             return stat.S_ISREG(self.lstat(name).st_mode)
+        except OSError:
+            return False
+
+    def is_dir(self, name: str) -> bool:
+        """A directory is at ``name`` (a symlink is not one)."""
+        try:
+            return stat.S_ISDIR(self.lstat(name).st_mode)
         except OSError:
             return False
 

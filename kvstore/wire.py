@@ -3,16 +3,19 @@ that can only build data, never run code.
 
 Pickle, the format those calls had, rebuilds whatever a frame names, so anyone who reached the
 socket (or sat in the middle of it) ran code in the actor and in the gateway. This codec knows a
-closed set of kinds and refuses the rest: ``None``, ``bool``, ``int`` (64-bit signed), ``float``,
+closed set of kinds and refuses the rest: ``None``, ``bool``, ``int`` (from -2**63 to
+2**64 - 1: signed 64-bit, and unsigned above it, as a writer's random u64 token), ``float``,
 ``str`` (utf-8), ``bytes``, ``list`` and ``tuple`` (each decodes as what it was: a caller
 sees the types it would have seen locally), numpy arrays of the dtypes in ``_DTYPES``, and the
 frozen dataclasses registered with ``register`` (by name and fields: decoding calls only the
 registered class). A numpy scalar of an allowed dtype travels as the Python scalar of its
-value. No call sends a dict, so none is carried.
+value, an ``int`` subclass (an ``IntEnum`` answer such as ``PutStatus``) as its ``int``: the
+same value, compared equal by the caller. No call sends a dict, so none is carried.
 
 A value is one tag byte and what the tag says follows (little-endian; ``n`` is a u32)::
 
-    N  None        T / F  True / False     i  int (i64)       f  float (f64)
+    N  None        T / F  True / False     i  int (i64)       u  int (u64, above i64)
+    f  float (f64)
     s  n, utf-8    b  n, bytes             l / t  n, n values (list / tuple)
     k  n, width, n*width bytes: a list of equal-length bytes (block keys: one copy, not n)
     a  dtype code (u8), ndim (u8), ndim x u64 dims, zero padding to 8, the C-order data
@@ -44,7 +47,7 @@ MAX_FRAME_BYTES = 64 << 20
 #: Containers (list, tuple, dataclass) inside containers: the calls need 3.
 MAX_DEPTH = 8
 _MAX_NDIM = 32
-_INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1
+_INT_MIN, _INT_MAX, _UINT_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
 
 #: The dtypes an array may have on the wire, by code (stable: codes are the format).
 _DTYPES: dict[int, np.dtype[Any]] = {
@@ -57,11 +60,13 @@ _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 _TAG_N = struct.Struct("<cI")  # a tag and a count
 _TAG_I = struct.Struct("<cq")
+_TAG_U = struct.Struct("<cQ")
 _TAG_F = struct.Struct("<cd")
 _KEYS = struct.Struct("<cII")
 _U32 = struct.Struct("<I")
 _DIMS = [struct.Struct(f"<{ndim}Q") for ndim in range(_MAX_NDIM + 1)]  # an array's shape
 _I64 = struct.Struct("<q")
+_U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 
 Buffer = bytes | bytearray | memoryview
@@ -146,9 +151,12 @@ def _put(out: _Out, value: Any, depth: int) -> None:
         head += _TAG_N.pack(b"s", len(data))
         head += data
     elif kind is int:
-        if not _INT_MIN <= value <= _INT_MAX:
+        if _INT_MIN <= value <= _INT_MAX:
+            head += _TAG_I.pack(b"i", value)
+        elif _INT_MAX < value <= _UINT_MAX:
+            head += _TAG_U.pack(b"u", value)
+        else:
             raise TypeError(f"int {value} is beyond the wire's 64-bit range")
-        head += _TAG_I.pack(b"i", value)
     elif kind in _BY_TYPE:
         _put_dataclass(out, value, depth)
     elif kind is bool:
@@ -160,6 +168,8 @@ def _put(out: _Out, value: Any, depth: int) -> None:
         head += value
     elif isinstance(value, np.generic) and value.dtype in _CODES:
         _put(out, value.item(), depth)  # a numpy scalar: the Python scalar of its value
+    elif isinstance(value, int):  # an IntEnum (bool is matched above): its value
+        _put(out, int(value), depth)
     elif isinstance(value, np.ndarray):  # a subclass: its plain array
         _put_array(out, np.asarray(value))
     else:
@@ -359,6 +369,7 @@ _READERS: dict[int, Reader] = {
     ord("T"): _constant(True),
     ord("F"): _constant(False),
     ord("i"): _scalar(_I64),
+    ord("u"): _scalar(_U64),
     ord("f"): _scalar(_F64),
     ord("s"): _get_str,
     ord("b"): _get_bytes,

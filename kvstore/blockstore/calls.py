@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from kvstore.blockstore.fanout import META, NODE, Target
-from kvstore.blockstore.localread import LocalReadGrant
 from kvstore.blockstore.meta import MetaReply
 from kvstore.blockstore.records import RemovedBlock, StripeRecord
 
@@ -30,7 +29,6 @@ class StorageNodeCalls(Protocol):
         token: int,
         keys: Sequence[bytes],
         shards: Sequence[np.ndarray],
-        payload_hashes: Sequence[bytes],
         class_ids: Sequence[int],
         created: Sequence[float],
     ) -> list[bool]: ...
@@ -38,8 +36,6 @@ class StorageNodeCalls(Protocol):
     def commit(self, token: int, keys: Sequence[bytes]) -> list[bool]: ...
 
     def get(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]: ...
-
-    def local_read_grant(self) -> LocalReadGrant | None: ...
 
     def delete(self, keys: Sequence[bytes], not_after: float | None = None) -> int: ...
 

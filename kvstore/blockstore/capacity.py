@@ -5,10 +5,15 @@ one filesystem here (the GC believed in 12 x 64 GiB with 77 GB free, and the dis
 before the high watermark), and usage counted apparent sizes (200 one-byte blocks, 2,400 shard
 files of ~176 B, counted 0.4 MB and took 9.8 MB of disk blocks). The rules:
 
-- **Bytes held** are what a node's shard files take on disk, ``st_blocks * 512`` (``fstat``
-  when a file is written, ``stat`` when one is found at start-up), not their sizes.
-- **Capacity set** (``StorageNodeConfig.capacity_bytes``): the operator's figure, summed as
-  given.
+- **Bytes held** are what a node's segment files take on disk, ``st_blocks * 512``, not their
+  sizes; **live bytes** are the records its index points at (the rest is dead: replaced,
+  evicted, deleted, until compaction gives it back). The GC counts live bytes against its
+  watermarks (evicting for dead bytes would evict blocks compaction is about to make room
+  for).
+- **Capacity set** (``StorageNodeConfig.capacity_bytes``): the operator's figure for what the
+  blocks may take (live bytes), summed as given; the log's overhead (commit and delete marks,
+  dead bytes until compaction, at most ``1 / compact_live_fraction`` of it in segments that
+  compaction has not reached) comes on top, so leave the disk that margin.
 - **Capacity from the disk** (``capacity_bytes=None``, the default): the node's filesystem has
   ``headroom`` = what it has free for unprivileged writers (``f_bavail``) less a reserve left
   for everything else, ``max(disk_reserve_fraction * its size, disk_reserve_bytes)`` (10 % or
@@ -20,8 +25,7 @@ files of ~176 B, counted 0.4 MB and took 9.8 MB of disk blocks). The rules:
   So the sum never exceeds what the disks have free plus what the nodes already hold.
 
 Not covered: btrfs subvolumes have their own ``st_dev`` on one pool of space (counted apart,
-i.e. high); a file's extent blocks allocated at writeback after its ``fstat`` (ext4 files of
-more than four extents) are counted from the next start-up on.
+i.e. high).
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ class NodeDisk:
 
 
 def tier_usage(usages: Iterable[Mapping[str, int]]) -> tuple[int, int]:
-    """(bytes held, capacity) of the nodes whose ``StorageNode.usage()`` replies are
+    """(live bytes held, capacity) of the nodes whose ``StorageNode.usage()`` replies are
     ``usages``: explicit capacities summed, the headroom of each shared filesystem counted once
     (the smallest any of its nodes reported: they were measured moments apart)."""
     used = explicit = 0
@@ -101,7 +105,9 @@ def tier_usage(usages: Iterable[Mapping[str, int]]) -> tuple[int, int]:
     headroom_of: dict[int, int] = {}
     for usage in usages:
         held = int(usage["bytes_used"])
-        used += held
+        # What the blocks take: the live records of the nodes' logs. Dead bytes (replaced,
+        # evicted, deleted) are space compaction is giving back, not a reason to evict more.
+        used += int(usage.get("live_bytes", held))
         if not usage.get("capacity_from_disk", 0):
             explicit += int(usage["capacity_bytes"])
             continue

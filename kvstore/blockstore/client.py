@@ -5,16 +5,17 @@ Write rule (all or nothing). A block becomes visible to ``lookup`` only after:
 1. its meta shard granted this writer a reservation of the key (``begin_put``);
 2. all k+m shards were written *pending* and acknowledged durable by their k+m distinct nodes
    (one ``put`` call per node per batch);
-3. all k+m nodes acknowledged the commit mark (pending file renamed into ``shards/``);
+3. all k+m nodes acknowledged the commit mark of their shard, durable too (how a node records
+   a commit on disk, and what it guarantees then, is documented in ``node.py``);
 4. its meta shard inserted it into the index (``commit``) — the visibility point.
 
 A block missing any acknowledgement in 2 or 3 is reported ``failed`` and never inserted; its
-reservation is dropped and its pending/committed shard files are orphans that the nodes'
-orphan scrub reclaims after ``orphan_grace_s``. A writer that dies anywhere before 4 leaves no
-visible block. Because step 3 only starts after step 2 finished everywhere, a committed shard
-file proves its whole stripe was durable; a meta shard rebuilt from manifests restores a block
-only with >= k committed shards found (``meta.py``), so an uncommitted write is never
-resurrected and a committed one is never lost.
+reservation is dropped and its pending/committed shards are orphans that the nodes' orphan
+scrub reclaims after ``orphan_grace_s``. A writer that dies anywhere before 4 leaves no visible
+block. Because step 3 only starts after step 2 finished everywhere, a committed shard proves
+its whole stripe was durable; a meta shard rebuilt from manifests restores a block only with
+>= k committed shards found (``meta.py``), so an uncommitted write is never resurrected and a
+committed one is never lost.
 
 Reads are ``reads.py`` (``BlockReads``), the shared state and node health ``core.py``.
 """
@@ -42,9 +43,6 @@ from kvstore.blockstore.records import (
     LookupResult,
     PutResult,
     PutStatus,
-)
-from kvstore.blockstore.shardfile import (
-    payload_hash,
 )
 from kvstore.errors import (
     InvalidArgument,
@@ -113,7 +111,6 @@ class BlockStoreClient(BlockReads):
             self._codec.encode(payload, key) for payload, key in zip(payloads, keys, strict=True)
         ]
         sizes = [int(np.asarray(_flat(payload)).size) for payload in payloads]
-        hashes = [payload_hash(_flat(payload)) for payload in payloads]
         created = self._clock.now()
         todo = list(range(len(keys)))
         written: dict[int, np.ndarray] = {}  # block position -> placement fully acked
@@ -134,7 +131,6 @@ class BlockStoreClient(BlockReads):
                     token,
                     [keys[p] for p, _ in items],
                     [stripes[p][i] for p, i in items],
-                    [hashes[p] for p, _ in items],
                     [class_id] * len(items),
                     [created] * len(items),
                 )

@@ -33,14 +33,18 @@ def _non_negative_int(name: str, value: object) -> None:
 class StorageNodeConfig:
     """What one storage node needs to know about itself."""
 
-    #: When a put/commit is acknowledged, its files are on stable storage:
-    #: ``always``: fsync of every shard file and of the directory (one flush per shard);
-    #: ``batch``: one ``syncfs`` of the data dir's filesystem per put/commit batch (same promise,
-    #: one flush per batch: on this VM 768 fsyncs took ~0.3-1 s, one syncfs ~16-60 ms);
+    #: When a put/commit is acknowledged, its records are on stable storage:
+    #: ``always`` and ``batch``: one ``fdatasync`` of the segment file per put/commit batch (the
+    #: log appends a batch in one write, so one flush covers it; ``always`` also syncs the
+    #: directory when a segment is created or removed);
     #: ``never``: the page cache decides (a process crash loses nothing, a power cut may).
     fsync: FsyncPolicy = "batch"
-    #: RAM read cache of whole shard files, bytes (0 = off).
-    read_cache_bytes: int = 256 * _MIB
+    #: A segment file is sealed (footer written, a new one opened) once it holds this many bytes.
+    segment_bytes: int = 64 * _MIB
+    #: Compaction rewrites a sealed segment whose live share of bytes fell below this.
+    compact_live_fraction: float = 0.5
+    #: Bytes compaction may copy per second (bounds its disk I/O against foreground work).
+    compact_bytes_per_s: int = 64 * _MIB
     #: Bytes of disk blocks this node may hold; a put beyond it is refused (the GC evicts
     #: first). None: what its filesystem has free beyond the reserve below, shared with the other
     #: nodes on that filesystem (``kvstore.blockstore.capacity``). Set: the operator's figure.
@@ -53,7 +57,11 @@ class StorageNodeConfig:
     def __post_init__(self) -> None:
         if self.fsync not in _FSYNC_POLICIES:
             raise ConfigError("fsync", f"must be one of {_FSYNC_POLICIES}, got {self.fsync!r}")
-        _non_negative_int("read_cache_bytes", self.read_cache_bytes)
+        _positive_int("segment_bytes", self.segment_bytes)
+        live = self.compact_live_fraction
+        if not isinstance(live, int | float) or isinstance(live, bool) or not 0 <= live < 1:
+            raise ConfigError("compact_live_fraction", f"must be in [0, 1), got {live!r}")
+        _positive_int("compact_bytes_per_s", self.compact_bytes_per_s)
         if self.capacity_bytes is not None:
             _non_negative_int("capacity_bytes", self.capacity_bytes)
             if self.capacity_bytes == 0:
@@ -115,9 +123,6 @@ class BlockStoreConfig:
     data_root: str = "/var/lib/kvstore/blocks"
     #: Name prefix of the Ray actors of one deployment (several may share a cluster).
     deployment: str = "blockstore"
-    #: Clients read the shard files of storage nodes on their own machine straight from disk
-    #: while those nodes live (``localread.py``); other nodes are read over Ray.
-    local_reads: bool = True
 
     def __post_init__(self) -> None:
         for name in ("data_shards", "parity_shards", "storage_nodes", "meta_shards"):
@@ -169,8 +174,6 @@ class BlockStoreConfig:
             raise ConfigError("node", "must be a StorageNodeConfig")
         if not self.data_root:
             raise ConfigError("data_root", "must name a directory")
-        if not isinstance(self.local_reads, bool):
-            raise ConfigError("local_reads", f"must be true or false, got {self.local_reads!r}")
         if not self.deployment or not self.deployment.replace("-", "").isalnum():
             raise ConfigError("deployment", f"must be alphanumeric/dashes, got {self.deployment!r}")
 

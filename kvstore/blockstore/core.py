@@ -16,7 +16,6 @@ import numpy as np
 from kvstore.blockstore.calls import MetaShardCalls, meta_target
 from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.blockstore.fanout import Fanout, Ticket, gather
-from kvstore.blockstore.localread import LocalReadGrant, LocalShardReader
 from kvstore.blockstore.placement import meta_shard_of
 from kvstore.clock import Clock, SystemClock
 from kvstore.ec import Codec
@@ -54,11 +53,6 @@ class ClientCore:
         self._latency: dict[int, float] = {}
         self._fetches = 0
         self.counters: dict[str, int] = defaultdict(int)
-        # Short-circuit reads of co-located nodes (``localread.py``): grants asked, by ticket.
-        self._local = LocalShardReader() if config.local_reads else None
-        self._grant_calls: dict[Ticket[LocalReadGrant | None], int] = {}
-        self._grant_asked: dict[int, float] = {}
-        self._grant_lock = threading.Lock()  # reads may run in several threads (the gateway)
         # Releases waiting to ride on the next lookup (see ``BlockStoreConfig.release_batch_s``).
         self._deferred: list[tuple[np.ndarray, np.ndarray]] = []
         self._deferred_lock = threading.Lock()
@@ -85,6 +79,11 @@ class ClientCore:
 
     def _mark_ok(self, node: int, seconds: float) -> None:
         self._retry_at.pop(node, None)
+        self._note_latency(node, seconds)
+
+    def _note_latency(self, node: int, seconds: float) -> None:
+        """Fold one call's latency (or a lower bound of it: a call given up) into the node's
+        moving estimate."""
         previous = self._latency.get(node)
         self._latency[node] = (
             seconds if previous is None else (1 - _EWMA) * previous + (_EWMA * seconds)
@@ -155,6 +154,5 @@ class ClientCore:
         return {
             **self.counters,
             "down_nodes": self.down_nodes(),
-            "local_nodes": self._local.nodes if self._local is not None else [],
             "latency_ms": {node: round(v * 1e3, 3) for node, v in sorted(self._latency.items())},
         }

@@ -6,11 +6,12 @@ a *cache* of what the storage nodes hold: a restarted shard rebuilds itself from
 manifests (``begin_rebuild`` / ``absorb_manifest`` / ``finish_rebuild``); until it is done its
 keys are misses, never errors.
 
-Rebuild rule: a key is restored when at least k committed shards of it are found. A committed
-shard file exists only after its writer had all k+m shards acknowledged durable (``node.py``),
-so a writer that died before committing leaves nothing a rebuild could resurrect; and a block
-whose commit was acknowledged to its writer has k+m committed shards, of which at most m may be
-on unreachable nodes, so it is always restored.
+Rebuild rule: a key is restored when at least k committed shards of one write of it are found
+(a write is named by the payload hash every shard of it carries, ``kvstore.ec.shard``, which
+each manifest row lists). A shard is committed only after its writer had all k+m shards
+acknowledged durable (``client.py``), so a writer that died before committing leaves nothing a
+rebuild could resurrect; and a block whose commit was acknowledged to its writer has k+m
+committed shards, of which at most m may be on unreachable nodes, so it is always restored.
 
 Not thread-safe: one actor thread (or a lock in the shell) owns one shard.
 """
@@ -71,7 +72,7 @@ class MetaReply:
 
 @dataclass(slots=True)
 class _Found:
-    """One write of a block (shards agreeing on its payload hash) seen during a rebuild."""
+    """One write of a block (shards agreeing on its 8-byte payload hash) seen in a rebuild."""
 
     placement: list[int]
     stamps: list[float]

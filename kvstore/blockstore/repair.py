@@ -20,19 +20,19 @@ import secrets
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
 from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls, meta_target, node_target
 from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.blockstore.fanout import Fanout, Ticket, gather
-from kvstore.blockstore.node import split_files
+from kvstore.blockstore.node import split_shards
 from kvstore.blockstore.placement import meta_shard_of, replacement
 from kvstore.blockstore.records import StripeRecord
-from kvstore.blockstore.shardfile import payload_hash, shard_view, writes_by_payload
 from kvstore.clock import Clock, SystemClock
 from kvstore.ec import Codec
+from kvstore.ec.shard import payload_hash, writes_by_payload
 from kvstore.errors import NodeDead, NodeUnavailable, StoreError, TooFewShards
 
 log = logging.getLogger(__name__)
@@ -175,13 +175,12 @@ class Repairer:
         if not stripes:
             return result
         blocks = self._read_blocks([stripe for _, stripe in stripes], dead)
-        writes: dict[int, list[tuple[int, int, np.ndarray, bytes]]] = defaultdict(list)
+        writes: dict[int, list[tuple[int, int, np.ndarray]]] = defaultdict(list)
         for position, (_, stripe) in enumerate(stripes):
-            block = blocks[position]
-            if block is None:
+            data = blocks[position]
+            if data is None:
                 result["unrecoverable"] += 1
                 continue
-            data, digest = block
             encoded = self._codec.encode(data, stripe.key)
             taken = {int(n) for n in stripe.placement if n >= 0 and int(n) not in dead}
             for index, node in enumerate(stripe.placement):
@@ -191,7 +190,7 @@ class Repairer:
                 if target is None:
                     continue
                 taken.add(target)
-                writes[target].append((position, index, encoded[index], digest))
+                writes[target].append((position, index, encoded[index]))
         moves = self._write_shards(stripes, writes)
         by_shard: dict[int, list[tuple[bytes, int, int, int]]] = defaultdict(list)
         for shard, move in moves:
@@ -210,23 +209,21 @@ class Repairer:
                     repaired_stripes.add(bytes(key))
         result["stripes"] = float(len(repaired_stripes))
         result["bytes"] = float(
-            sum(shard.size for items in writes.values() for _, _, shard, _ in items)
+            sum(shard.size for items in writes.values() for _, _, shard in items)
         )
         result["seconds"] = time.monotonic() - started
         for name, value in result.items():
             self.counters[name] += value
         return result
 
-    def _read_blocks(
-        self, stripes: list[StripeRecord], dead: set[int]
-    ) -> list[tuple[np.ndarray, bytes] | None]:
+    def _read_blocks(self, stripes: list[StripeRecord], dead: set[int]) -> list[np.ndarray | None]:
         """Decode each stripe's block from its healthy shards (verified by payload hash)."""
         per_node: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for position, stripe in enumerate(stripes):
             for index, node in enumerate(stripe.placement):
                 if node >= 0 and int(node) not in dead:
                     per_node[int(node)].append((position, index))
-        files: list[list[Any]] = [[None] * self.config.stripe_width for _ in stripes]
+        shards: list[list[np.ndarray | None]] = [[None] * self.config.stripe_width for _ in stripes]
         tickets = {
             self._fanout.submit(
                 node_target(node), StorageNodeCalls.get, [stripes[p].key for p, _ in items]
@@ -237,34 +234,34 @@ class Repairer:
             if isinstance(outcome, NodeUnavailable):
                 continue
             try:
-                got = split_files(outcome)
+                got = split_shards(outcome)
             except (StoreError, TypeError, ValueError):
                 continue
             if len(got) != len(tickets[ticket]):
                 continue
-            for (position, index), file in zip(tickets[ticket], got, strict=True):
-                files[position][index] = file
-        blocks: list[tuple[np.ndarray, bytes] | None] = []
-        for position, stripe in enumerate(stripes):
-            blocks.append(self._decode(stripe, files[position]))
-        return blocks
+            for (position, index), shard in zip(tickets[ticket], got, strict=True):
+                shards[position][index] = shard
+        return [self._decode(stripe, shards[p]) for p, stripe in enumerate(stripes)]
 
-    def _decode(self, stripe: StripeRecord, files: list[Any]) -> tuple[np.ndarray, bytes] | None:
-        groups, _corrupt = writes_by_payload(files)
+    def _decode(self, stripe: StripeRecord, shards: list[np.ndarray | None]) -> np.ndarray | None:
+        """The block of ``stripe`` from the shards of one write (grouped by payload hash, the
+        largest group first), checked against that hash; None when no group decodes."""
+        groups, _corrupt = writes_by_payload(shards)
         for digest, members in groups:
-            shards = [shard_view(files[i]) if i in members else None for i in range(len(files))]
+            chosen = set(members)
+            group = [shard if i in chosen else None for i, shard in enumerate(shards)]
             try:
-                data = self._codec.decode(shards, size=stripe.size, key=stripe.key)
+                data = self._codec.decode(group, size=stripe.size, key=stripe.key)
             except TooFewShards:
                 continue
             if payload_hash(data) == digest:
-                return np.frombuffer(data, dtype=np.uint8), digest
+                return np.frombuffer(data, dtype=np.uint8)
         return None
 
     def _write_shards(
         self,
         stripes: list[tuple[int, StripeRecord]],
-        writes: dict[int, list[tuple[int, int, np.ndarray, bytes]]],
+        writes: dict[int, list[tuple[int, int, np.ndarray]]],
     ) -> list[tuple[int, tuple[bytes, int, int, int]]]:
         """Write and commit new shards; returns (meta shard, placement move) per shard landed."""
         token = secrets.randbits(64)
@@ -274,11 +271,10 @@ class Repairer:
                 node_target(node),
                 StorageNodeCalls.put,
                 token,
-                [stripes[p][1].key for p, _, _, _ in items],
-                [shard for _, _, shard, _ in items],
-                [digest for _, _, _, digest in items],
-                [stripes[p][1].class_id for p, _, _, _ in items],
-                [stripes[p][1].created for p, _, _, _ in items],
+                [stripes[p][1].key for p, _, _ in items],
+                [shard for _, _, shard in items],
+                [stripes[p][1].class_id for p, _, _ in items],
+                [stripes[p][1].created for p, _, _ in items],
             )
             put_tickets[ticket] = (node, items)
         written: dict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -287,7 +283,7 @@ class Repairer:
             if isinstance(outcome, NodeUnavailable):
                 self.counters["write_failures"] += 1
                 continue
-            for (position, index, _, _), ok in zip(items, outcome, strict=True):
+            for (position, index, _), ok in zip(items, outcome, strict=True):
                 if ok:
                     written[node].append((position, index))
         commit_tickets = {

@@ -4,8 +4,9 @@
   dir when asked to (``restart=True``), or it stays dead.
 - ``crash_machine``: a whole machine (Ray node: raylet, object store, every worker on it) is
   killed without notice; callers see it unavailable until the health checks declare it dead.
-- ``corrupt_shard``: a shard file on disk gets bit flips, is truncated, is deleted, or has its
-  header damaged — what a failing disk or an operator's mistake does.
+- ``corrupt_shard``: one shard's record in a node's segment file, damaged in place: bit flips in
+  the shard, its second half zeroed (a torn write), the whole record zeroed, or its record header
+  damaged — what a failing disk does. Its neighbours in the segment stay intact.
 - ``make_slow``: a storage node whose every read reply is delayed (a sick disk, a noisy
   neighbour): the node is replaced, on its data dir, by ``DelayedStorageNodeActor``, the same
   actor class with a delay in front of ``get``.
@@ -13,17 +14,15 @@
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import RayError
 
-from kvstore.blockstore.shardfile import NODE_HEADER_BYTES
+from kvstore.blockstore.segments import RECORD_BYTES
 from kvstore.chaos.tier import ChaosTier, wait_until
 from kvstore.errors import InvalidArgument, StoreError
 from kvstore.runtime.blockstore_actors import (
@@ -34,7 +33,10 @@ from kvstore.runtime.blockstore_actors import (
 )
 from kvstore.runtime.deploy import node_data_dir
 
-CORRUPTIONS = ("flip", "truncate", "delete", "header")
+CORRUPTIONS = ("flip", "torn", "erase", "header")
+#: Where one shard's record is: (segment file, offset of the record, record bytes), as
+#: ``StorageNode.locate`` answers.
+ShardLocation = tuple[str, int, int]
 
 
 def kill_node(tier: ChaosTier, node_id: int, *, restart: bool) -> float:
@@ -57,30 +59,35 @@ def crash_machine(tier: ChaosTier, machine: str) -> float:
     return time.monotonic()
 
 
-def shard_file(tier: ChaosTier, node_id: int, key: bytes) -> Path:
-    return Path(node_data_dir(tier.blockstore_config, node_id)) / "shards" / bytes(key).hex()
+def shard_location(tier: ChaosTier, node_id: int, key: bytes) -> ShardLocation:
+    """Where storage node ``node_id`` keeps its shard of ``key`` (asked of the node)."""
+    (found,) = ray.get(tier.handles.nodes[node_id].locate.remote([bytes(key)]), timeout=30)
+    if found is None:
+        raise StoreError(f"storage node {node_id} holds no shard of {bytes(key).hex()[:16]}")
+    return found
 
 
-def corrupt_shard(path: Path, how: str, rng: random.Random) -> None:
-    """Damage one shard file in place, the way ``how`` says (one of ``CORRUPTIONS``)."""
+def corrupt_shard(location: ShardLocation, how: str, rng: random.Random) -> None:
+    """Damage one shard's record in place, the way ``how`` says (one of ``CORRUPTIONS``)."""
     if how not in CORRUPTIONS:
         raise InvalidArgument("how", f"must be one of {CORRUPTIONS}, got {how!r}")
-    if how == "delete":
-        os.unlink(path)
-        return
-    data = bytearray(path.read_bytes())
-    if how == "truncate":
-        data = data[: len(data) // 2]
-    elif how == "header":
-        data[rng.randrange(0, 40)] ^= 0xFF  # inside the checksummed node header
-    else:  # a few random bit flips in the shard body (codec header + fragment)
-        for _ in range(3):
-            position = rng.randrange(NODE_HEADER_BYTES, len(data))
-            data[position] ^= 1 << rng.randrange(8)
-    # Written in place (same inode, no rename): what bit rot or a torn write leaves behind.
-    with open(path, "r+b") as handle:
+    path, offset, size = location
+    with open(path, "r+b") as handle:  # in place (same inode): what bit rot leaves behind
+        handle.seek(offset)
+        data = bytearray(handle.read(size))
+        body = len(data) - RECORD_BYTES
+        if how == "erase":
+            data[:] = bytes(len(data))
+        elif how == "torn":
+            data[RECORD_BYTES + body // 2 :] = bytes(len(data) - RECORD_BYTES - body // 2)
+        elif how == "header":
+            data[rng.randrange(0, RECORD_BYTES)] ^= 0xFF
+        else:  # a few random bit flips in the shard (codec header + fragment)
+            for _ in range(3):
+                position = rng.randrange(RECORD_BYTES, len(data))
+                data[position] ^= 1 << rng.randrange(8)
+        handle.seek(offset)
         handle.write(bytes(data))
-        handle.truncate(len(data))
 
 
 # --- a slow node -------------------------------------------------------------------------------
@@ -105,6 +112,33 @@ class _DelayedStorageNode(_StorageNodeLogic):
         if self._delay_s > 0:
             time.sleep(self._delay_s)
         return super().get(keys)
+
+    def _served(self) -> Any:
+        """Reads over the direct socket are delayed too."""
+        return _DelayedReads(self._node, self)
+
+
+class _DelayedReads:
+    """The plain node as the direct socket sees it, with the actor's delay before ``get``."""
+
+    def __init__(self, node: Any, actor: _DelayedStorageNode) -> None:
+        self._node = node
+        self._actor = actor
+
+    def get(self, keys: Sequence[bytes]) -> Any:
+        delay = getattr(self._actor, "_delay_s", 0.0)  # a call may come before __init__ ends
+        if delay > 0:
+            # The socket thread calls this holding the node's lock; the delay is a sick disk
+            # in front of the read, not a node that stops answering pings: sleep without it.
+            self._actor._lock.release()
+            try:
+                time.sleep(delay)
+            finally:
+                self._actor._lock.acquire()
+        return self._node.get(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._node, name)
 
 
 #: Reads stay one at a time (the node logic is single-threaded); ``set_delay`` has its own

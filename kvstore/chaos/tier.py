@@ -124,9 +124,9 @@ class ChaosConfig:
             node_retry_s=self.node_retry_s,
             hedge_after_s=self.hedge_after_s,
             put_reservation_s=self.put_reservation_s,
-            # No RAM read cache: a shard corrupted on disk must be what the next read sees.
             # fsync off: a killed process loses nothing (page cache), and disks here are slow.
-            node=StorageNodeConfig(fsync="never", read_cache_bytes=0),
+            # Small segments: a run's few hundred blocks roll, seal and compact several.
+            node=StorageNodeConfig(fsync="never", segment_bytes=256 * 1024),
         )
 
     def swa(self, geometry: GeometryConfig) -> SWAConfig:
@@ -455,6 +455,7 @@ class ChaosTier:
             "shards": sum(int(u["shards"]) for u in usage),
             "pending": sum(int(u["pending"]) for u in usage),
             "bytes_used": sum(int(u["bytes_used"]) for u in usage),
+            "live_bytes": sum(int(u["live_bytes"]) for u in usage),
         }
 
     # --- control -----------------------------------------------------------------------------

@@ -371,48 +371,6 @@ class Codec:
                 return data, parity, sources, fragment_len, payload_hash
         return None  # fewer than k shards: the general path names what is missing
 
-    def rebuild_in_place(
-        self, window: object, sources: Sequence[int], parity: Sequence[object]
-    ) -> bool:
-        """Rebuild the lost data fragments of a block whose payload fills its k rows, in place.
-
-        ``window`` (writable, k equal rows) already holds the data rows among ``sources`` (k
-        distinct stripe positions, ascending); ``parity`` holds the fragments of the parity
-        positions among them, in that order. The other data rows are overwritten by ISA-L.
-        Nothing is verified: the caller checks the block against its payload hash. False when
-        this codec has no in-place decoder (no ISA-L): use ``decode`` then.
-        """
-        if self._isal is None:
-            return False
-        k = self.k
-        try:
-            view = memoryview(window).cast("B")  # type: ignore[arg-type]
-        except TypeError as error:
-            raise InvalidArgument("window", f"must be a contiguous buffer ({error})") from None
-        if view.readonly:
-            raise InvalidArgument("window", "must be writable")
-        fragment_len = len(view) // k
-        if fragment_len == 0 or len(view) != k * fragment_len:
-            raise InvalidArgument("window", f"must be k={k} equal rows, got {len(view)} bytes")
-        chosen = [int(index) for index in sources]
-        if len(chosen) != k or chosen != sorted(set(chosen)) or not 0 <= chosen[0] <= chosen[-1]:
-            raise InvalidArgument("sources", f"must be {k} distinct ascending positions")
-        if chosen[-1] >= k + self.m:
-            raise InvalidArgument("sources", f"position {chosen[-1]} is beyond k+m={k + self.m}")
-        rows = [memoryview(fragment).cast("B") for fragment in parity]  # type: ignore[arg-type]
-        if len(rows) != sum(1 for index in chosen if index >= k):
-            raise InvalidArgument("parity", "must hold one fragment per parity position")
-        if any(len(row) != fragment_len for row in rows):
-            raise InvalidArgument("parity", f"fragments must be {fragment_len} bytes")
-        if not rows:
-            return True  # every data row is at hand
-        present = set(chosen)
-        # Only which rows are present matters to the plan (they are read in place at ``base``).
-        data: list[memoryview | None] = [view if row in present else None for row in range(k)]
-        base = ctypes.addressof(ctypes.c_char.from_buffer(view))
-        self._rebuild_rows(base, data, rows, chosen, fragment_len)
-        return True
-
     def _rebuild_rows(
         self,
         base: int,

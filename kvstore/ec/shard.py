@@ -24,10 +24,13 @@ is checked before hashing: a truncated or extended shard never reaches the decod
 
 The payload hash does two jobs. It names the *write*: every shard of one encode carries it, so
 shards of two puts of the same key with different bytes (each shard valid on its own) are never
-combined into a block neither put wrote, while two puts of identical bytes stay interchangeable.
-And it checks the decoded block end to end: the decoder's fast path compares headers and hashes
-the block it returns once, instead of hashing k shards (per-shard checksums are only computed
-when that check fails, to find the bad shard), so no path returns bytes that were not written.
+combined into a block neither put wrote, while two puts of identical bytes stay interchangeable
+(readers group a stripe's shards by it, ``writes_by_payload``, and decode within one group). And
+it checks the decoded block end to end: the decoder's fast path compares headers and hashes the
+block it returns once, instead of hashing k shards (per-shard checksums are only computed when
+that check fails, to find the bad shard), so no path returns bytes that were not written. It is
+the one payload hash of the tier: storage nodes read it from here (their manifests carry it, so
+a meta shard's rebuild tells writes apart the same way) and this module owns the layout.
 
 Why xxh3-64: measured on this machine, one core, hashing one fragment (GB/s, median):
 
@@ -44,8 +47,10 @@ dependency. ``benchmarks/ec.py`` prints this comparison again with every run.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from kvstore.errors import CorruptShard, InvalidArgument, ShardSizeMismatch
@@ -71,6 +76,8 @@ INDEX_OFFSET = 12
 PAYLOAD_HASH = slice(24, 32)
 #: Header bytes after the index: the same in every shard of one stripe.
 STRIPE_FIELDS = slice(INDEX_OFFSET + 1, HEADER_BYTES)
+_MAGIC = slice(CHECKED_FROM, INDEX_OFFSET)
+_VERSION_OFFSET = INDEX_OFFSET + 1
 #: MAGIC + index byte, the header bytes [8, 13) of shard i, prebuilt for the decode fast path.
 MAGIC_AND_INDEX = tuple(MAGIC + bytes((index,)) for index in range(256))
 
@@ -78,6 +85,13 @@ MAGIC_AND_INDEX = tuple(MAGIC + bytes((index,)) for index in range(256))
 def checksum(covered: memoryview | bytes) -> bytes:
     """The 8-byte checksum of the covered bytes (xxh3-64, canonical big-endian)."""
     return xxhash.xxh3_64_digest(covered)
+
+
+def payload_hash(payload: object) -> bytes:
+    """The 8-byte payload hash every shard of a block's write carries (xxh3-64 of the whole
+    payload, canonical big-endian): what readers group a stripe's shards by and check a decoded
+    block against. The one payload hash of the tier."""
+    return xxhash.xxh3_64_digest(byte_view(payload, "payload"))
 
 
 def fragment_length(payload_len: int, k: int) -> int:
@@ -220,6 +234,33 @@ def check_shard(
     return header
 
 
+def writes_by_payload(
+    shards: Sequence[np.ndarray | None],
+) -> tuple[list[tuple[bytes, list[int]]], int]:
+    """Which of a stripe's shards (None: missing) belong to the same write: stripe positions
+    grouped by the payload hash in their headers, largest group first; and how many were
+    corrupt (shorter than a header, or not of this magic and version: left out).
+
+    Only the header is looked at, no checksum computed: the decoder checks each shard it uses
+    and the caller hashes the decoded block against the group's hash, so a shard whose hash
+    field was damaged merely forms a group of its own that never decodes.
+    """
+    groups: dict[bytes, list[int]] = {}
+    corrupt = 0
+    for index, shard in enumerate(shards):
+        if shard is None:
+            continue
+        if (
+            shard.size < HEADER_BYTES
+            or shard[_MAGIC].tobytes() != MAGIC
+            or shard[_VERSION_OFFSET] != VERSION
+        ):
+            corrupt += 1
+            continue
+        groups.setdefault(shard[PAYLOAD_HASH].tobytes(), []).append(index)
+    return sorted(groups.items(), key=lambda item: -len(item[1])), corrupt
+
+
 __all__ = [
     "CHECKED_FROM",
     "FRAGMENT_ALIGN",
@@ -236,5 +277,7 @@ __all__ = [
     "fragment_length",
     "header_bytes",
     "parse_shard",
+    "payload_hash",
     "shard_length",
+    "writes_by_payload",
 ]

@@ -4,6 +4,12 @@ Each shell forwards to the plain object holding the logic (``kvstore.blockstore`
 here is only what needs Ray: finding peers by actor name, background threads (a meta shard's
 rebuild, the repair loop) and timeouts on calls to peers.
 
+Ray is the control plane; shard bytes do not go through it. Every storage node and meta shard
+also serves the calls of the write and read paths (``FAST_NODE_METHODS``,
+``FAST_META_METHODS``) over its own direct socket (``kvstore.runtime.fastcall``): a thread of
+the actor's process runs them on the plain object under the same lock as the Ray methods, so
+the two planes never run in it at once. ``stats()`` counts the calls each plane served.
+
 Actor names (namespace of the driver, ``kvstore`` by default): ``<deployment>-node-<i>``,
 ``<deployment>-meta-<i>``, ``<deployment>-repair``. Nodes and meta shards restart without limit
 (``max_restarts=-1``) with their constructor arguments: a restarted node re-opens its data
@@ -16,8 +22,8 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Sequence
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,7 +34,6 @@ from ray.exceptions import RayError
 from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
 from kvstore.blockstore.fanout import META, NODE, Target
-from kvstore.blockstore.localread import LocalReadGrant
 from kvstore.blockstore.meta import MetaReply, MetaShard
 from kvstore.blockstore.node import StorageNode
 from kvstore.blockstore.placement import meta_shard_of
@@ -38,11 +43,37 @@ from kvstore.errors import StoreError
 from kvstore.keys import BlockKey
 from kvstore.runtime.fanout import RayFanout
 from kvstore.runtime.fastcall import FastCallServer, tls_env_options, tls_from_env
+from kvstore.wire import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
-#: Meta shard methods that clients call over the direct socket instead of through Ray.
-FAST_META_METHODS = (MetaShardCalls.lookup_wire,)
+#: Storage node methods served over the node's direct socket: all that move or acknowledge
+#: shard bytes (the data plane). Manifests, scrubs, usage and pings stay on Ray.
+NODE_FAST_NAMES = ("put", "commit", "abort", "get", "holds", "delete")
+#: Meta shard methods served over its direct socket: lookups (the hit path) and the calls every
+#: put makes (reserve, commit, abort) and every read ends with (release).
+META_FAST_NAMES = ("lookup_wire", "begin_put", "commit", "abort_put", "release")
+#: The largest frame a node takes or sends: a client batch is at most 64 blocks, one shard
+#: each per node (64 x 140 KiB = 9 MB for 1.35 MiB blocks at k=10), an SWA-sized 16 x 1.4 MB is
+#: 23 MB; a call beyond it goes through Ray (``RayFanout``).
+NODE_FRAME_BYTES = MAX_FRAME_BYTES
+#: Request bytes a node holds at once (four of the largest frames).
+NODE_INFLIGHT_BYTES = 4 * NODE_FRAME_BYTES
+#: How often a node's background compaction runs a step (each moves at most its rate times
+#: this, so the node's lock is held ~tens of ms at a time).
+COMPACTION_STEP_S = 0.1
+
+
+def _calls(protocol: type, names: Sequence[str]) -> tuple[Callable[..., Any], ...]:
+    """The methods of ``protocol`` among ``names``: what a fanout sends over the sockets (a
+    name the Protocol lacks is served, just never called through a fanout)."""
+    return tuple(getattr(protocol, name) for name in names if hasattr(protocol, name))
+
+
+#: The calls clients make over the direct sockets instead of through Ray.
+FAST_NODE_METHODS = _calls(StorageNodeCalls, NODE_FAST_NAMES)
+FAST_META_METHODS = _calls(MetaShardCalls, META_FAST_NAMES)
+FAST_METHODS = FAST_NODE_METHODS + FAST_META_METHODS
 
 
 def node_actor_name(deployment: str, node_id: int) -> str:
@@ -79,6 +110,9 @@ def name_resolver(deployment: str) -> Any:
 
 @ray.remote
 class StorageNodeActor:
+    """A storage node; its data calls come over its direct socket too (see the module doc).
+    Every method holds ``_lock``: the plain node is single-threaded."""
+
     def __init__(
         self,
         node_id: int,
@@ -93,9 +127,60 @@ class StorageNodeActor:
         self._deployment = deployment
         self._meta_shards = meta_shards
         self._timeout = call_timeout_s
+        self._lock = threading.Lock()
+        self._ray_calls: Counter[str] = Counter()  # data calls that came through Ray instead
+        # TLS where the operator set it (the environment deploy handed on: actor_options).
+        self._fast = FastCallServer(
+            self._served(),
+            NODE_FAST_NAMES,
+            self._lock,
+            ray.util.get_node_ip_address(),
+            tls=tls_from_env(serving=True)[0],
+            frame_limit=NODE_FRAME_BYTES,
+            max_inflight_bytes=NODE_INFLIGHT_BYTES,
+        )
+
+        self._compaction = threading.Thread(
+            target=self._compact_loop, name="compaction", daemon=True
+        )
+        self._compaction.start()
+
+    def _served(self) -> Any:
+        """What the direct socket calls (the plain node; a test double may put a wrapper in
+        front of it, e.g. the chaos runs' slow node)."""
+        return self._node
+
+    def _compact_loop(self) -> None:
+        """Compaction in the background, at most ``compact_bytes_per_s``, in small steps so a
+        step holds the node's lock only briefly (foreground calls wait for it)."""
+        rate = self._node.config.compact_bytes_per_s
+        step_s = COMPACTION_STEP_S
+        while True:
+            time.sleep(step_s)
+            try:
+                with self._lock:
+                    self._node.compact(max(1, int(rate * step_s)))
+            except Exception:  # a full disk, a segment gone: logged, tried again next step
+                log.exception("node %d: compaction step failed", self._node.node_id)
+                time.sleep(1.0)
+
+    def fast_endpoint(self) -> tuple[str, int, bytes]:
+        """Where (and with which key) the direct socket of this incarnation listens."""
+        return self._fast.endpoint
 
     def ping(self) -> int:
-        return self._node.ping()
+        with self._lock:  # a node that cannot take its lock (a wedged disk) does not answer
+            return self._node.ping()
+
+    def locate(self, keys: Sequence[bytes]) -> list[tuple[str, int, int] | None]:
+        """Where this node's shards of ``keys`` are on disk (tools, fault injection)."""
+        with self._lock:
+            return self._node.locate(keys)
+
+    def compact(self, budget_bytes: int) -> dict[str, int]:
+        """One compaction step now (the background loop runs them anyway)."""
+        with self._lock:
+            return self._node.compact(budget_bytes)
 
     def incarnation(self) -> str:
         """Differs after every (re)start of the actor."""
@@ -106,46 +191,61 @@ class StorageNodeActor:
         token: int,
         keys: Sequence[bytes],
         shards: Sequence[np.ndarray],
-        payload_hashes: Sequence[bytes],
         class_ids: Sequence[int],
         created: Sequence[float],
     ) -> list[bool]:
-        return self._node.put(token, keys, shards, payload_hashes, class_ids, created)
+        with self._lock:
+            self._ray_calls["put"] += 1
+            return self._node.put(token, keys, shards, class_ids, created)
 
     def commit(self, token: int, keys: Sequence[bytes]) -> list[bool]:
-        return self._node.commit(token, keys)
+        with self._lock:
+            self._ray_calls["commit"] += 1
+            return self._node.commit(token, keys)
 
     def abort(self, token: int, keys: Sequence[bytes]) -> int:
-        return self._node.abort(token, keys)
+        with self._lock:
+            self._ray_calls["abort"] += 1
+            return self._node.abort(token, keys)
 
     def get(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        return self._node.get(keys)
-
-    def local_read_grant(self) -> LocalReadGrant | None:
-        return self._node.local_read_grant()
+        with self._lock:
+            self._ray_calls["get"] += 1
+            return self._node.get(keys)
 
     def delete(self, keys: Sequence[bytes], not_after: float | None = None) -> int:
-        return self._node.delete(keys, not_after)
+        with self._lock:
+            self._ray_calls["delete"] += 1
+            return self._node.delete(keys, not_after)
 
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
-        return self._node.holds(keys)
+        with self._lock:
+            self._ray_calls["holds"] += 1
+            return self._node.holds(keys)
 
     def usage(self) -> dict[str, int]:
-        return self._node.usage()
+        with self._lock:
+            return self._node.usage()
 
     def stats(self) -> dict[str, object]:
-        return self._node.stats()
+        """The node's figures, and the data calls each plane served (``fastcall``: the
+        socket's, with its in-flight budget; ``ray_calls``: those that came through Ray)."""
+        with self._lock:
+            return {
+                **self._node.stats(),
+                "fastcall": self._fast.stats(),
+                "ray_calls": dict(self._ray_calls),
+            }
 
     def manifest(
         self, meta_shard: int | None = None, num_meta_shards: int | None = None
     ) -> pa.Table:
-        return self._node.manifest(meta_shard, num_meta_shards)
-
-    def snapshot(self) -> int:
-        return self._node.snapshot()
+        with self._lock:
+            return self._node.manifest(meta_shard, num_meta_shards)
 
     def scrub(self, limit: int = 1024) -> dict[str, object]:
-        return self._node.scrub(limit)
+        with self._lock:
+            return self._node.scrub(limit)
 
     def reclaim_orphans(self, grace_s: float) -> dict[str, int]:
         """Delete pending shards older than ``grace_s`` and committed ones no meta shard maps to
@@ -174,7 +274,10 @@ class StorageNodeActor:
             return answer
 
         try:
-            return self._node.reclaim_orphans(referenced, grace_s)
+            # The lock stays held while the meta shards answer (bounded by the call timeout):
+            # the node's pass is not written for other calls between its batches.
+            with self._lock:
+                return self._node.reclaim_orphans(referenced, grace_s)
         except StoreError as error:
             log.warning("node %d: orphan reclaim skipped: %s", node_id, error)
             return {"pending_reclaimed": 0, "committed_reclaimed": 0, "skipped": 1}
@@ -189,11 +292,12 @@ class MetaShardActor:
         self._node_ids = list(node_ids)
         self._lock = threading.Lock()
         self._rebuild_report: dict[str, object] = {}
-        # Lookups, the hot path, also come over a direct socket (see kvstore.runtime.fastcall),
-        # in TLS where the operator set it (the environment deploy handed on: actor_options).
+        # Lookups and the write calls also come over a direct socket (the module doc), in TLS
+        # where the operator set it (the environment deploy handed on: actor_options).
+        self._ray_calls: Counter[str] = Counter()  # fast-plane calls that came through Ray
         self._fast = FastCallServer(
             self._meta,
-            [method.__name__ for method in FAST_META_METHODS],
+            META_FAST_NAMES,
             self._lock,
             ray.util.get_node_ip_address(),
             tls=tls_from_env(serving=True)[0],
@@ -254,6 +358,7 @@ class MetaShardActor:
 
     def begin_put(self, keys: Sequence[bytes], token: int) -> list[int]:
         with self._lock:
+            self._ray_calls["begin_put"] += 1
             return self._meta.begin_put(keys, token)
 
     def commit(
@@ -265,10 +370,12 @@ class MetaShardActor:
         class_id: int,
     ) -> list[bool]:
         with self._lock:
+            self._ray_calls["commit"] += 1
             return self._meta.commit(keys, token, placements, sizes, class_id)
 
     def abort_put(self, keys: Sequence[bytes], token: int) -> None:
         with self._lock:
+            self._ray_calls["abort_put"] += 1
             self._meta.abort_put(keys, token)
 
     def lookup(
@@ -287,6 +394,7 @@ class MetaShardActor:
 
     def lookup_wire(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
         with self._lock:
+            self._ray_calls["lookup_wire"] += 1
             try:
                 return self._meta.lookup_wire(request)
             finally:
@@ -304,6 +412,7 @@ class MetaShardActor:
 
     def release(self, keys: Sequence[bytes] | np.ndarray, rows: np.ndarray | None = None) -> int:
         with self._lock:
+            self._ray_calls["release"] += 1
             return self._meta.release(keys, rows)
 
     def mark_nodes(self, down: Sequence[int] = (), up: Sequence[int] = ()) -> list[int]:
@@ -351,8 +460,15 @@ class MetaShardActor:
             return self._meta.snapshot_table()
 
     def stats(self) -> dict[str, object]:
+        """The shard's figures, its last rebuild, and the fast-plane calls each plane served
+        (as a storage node's ``stats``)."""
         with self._lock:
-            return {**self._meta.stats(), "last_rebuild": dict(self._rebuild_report)}
+            return {
+                **self._meta.stats(),
+                "last_rebuild": dict(self._rebuild_report),
+                "fastcall": self._fast.stats(),
+                "ray_calls": dict(self._ray_calls),
+            }
 
 
 @ray.remote
@@ -360,7 +476,8 @@ class RepairActor:
     """Health checks + repair, as a background loop every ``health_interval_s``."""
 
     def __init__(self, config: BlockStoreConfig, node_ids: Sequence[int], run: bool = True):
-        fanout = RayFanout({}, resolve=name_resolver(config.deployment))
+        # Repair moves shard bytes too: over the sockets, as a client's reads and writes do.
+        fanout = RayFanout({}, resolve=name_resolver(config.deployment), fast_methods=FAST_METHODS)
         scrub_every = 0
         if config.scrub_every_s:  # in ticks of the loop, at least one
             scrub_every = max(1, round(config.scrub_every_s / config.health_interval_s))
@@ -432,6 +549,7 @@ if TYPE_CHECKING:
 
 
 __all__ = [
+    "FAST_METHODS",
     "MetaShardActor",
     "RepairActor",
     "StorageNodeActor",

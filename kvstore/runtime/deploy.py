@@ -22,11 +22,11 @@ from ray.exceptions import RayError
 from kvstore.blockstore.calls import meta_target, node_target
 from kvstore.blockstore.client import BlockStoreClient
 from kvstore.blockstore.config import BlockStoreConfig
+from kvstore.blockstore.dirlock import open_lock, wait_unlocked
 from kvstore.blockstore.fanout import Target
-from kvstore.blockstore.localread import open_live, wait_unlocked
 from kvstore.errors import StoreError
 from kvstore.runtime.blockstore_actors import (
-    FAST_META_METHODS,
+    FAST_METHODS,
     MetaShardActor,
     RepairActor,
     StorageNodeActor,
@@ -61,19 +61,23 @@ class BlockStoreHandles:
     node_options: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def fanout(self) -> RayFanout:
+        """The fanout a client of this deployment calls through: the data and hit paths over
+        the actors' direct sockets, their endpoints fetched before it is handed out (so no
+        first call goes through Ray; within ``call_timeout_s``: a node that is down then is
+        asked again later)."""
         handles: dict[Target[Any], Any] = {node_target(i): h for i, h in self.nodes.items()}
         handles.update({meta_target(i): h for i, h in enumerate(self.metas)})
-        return RayFanout(
-            handles, resolve=name_resolver(self.config.deployment), fast_methods=FAST_META_METHODS
+        fanout = RayFanout(
+            handles, resolve=name_resolver(self.config.deployment), fast_methods=FAST_METHODS
         )
+        missing = fanout.prepare(handles, self.config.call_timeout_s)
+        if missing:
+            log.info("no direct socket yet to %s: through Ray until then", sorted(missing))
+        return fanout
 
-    def client(self, local_reads: bool | None = None) -> BlockStoreClient:
-        """A client of this deployment; ``local_reads`` overrides the config's switch (False:
-        every read over Ray, as from a machine that hosts no storage node)."""
-        config = self.config
-        if local_reads is not None:
-            config = config.with_overrides(local_reads=local_reads)
-        return BlockStoreClient(config, self.fanout(), node_ids=sorted(self.nodes))
+    def client(self) -> BlockStoreClient:
+        """A client of this deployment."""
+        return BlockStoreClient(self.config, self.fanout(), node_ids=sorted(self.nodes))
 
     @classmethod
     def from_names(cls, config: BlockStoreConfig) -> BlockStoreHandles:
@@ -113,13 +117,13 @@ class BlockStoreHandles:
         the repair loop never sees some dead while the others still serve their shards.
 
         Where a data dir is visible from here, returns only once its process is gone (its
-        ``LIVE`` lock released): ``ray.kill`` is asynchronous, and until then clients on this
-        machine could still read its files directly (``localread.py``)."""
-        lives = {node_id: open_live(node_data_dir(self.config, node_id)) for node_id in node_ids}
+        ``LOCK`` released, ``dirlock.py``): ``ray.kill`` is asynchronous, and until then the old
+        process may still answer calls and write its log, and a restarted node waits for it."""
+        locks = {node_id: open_lock(node_data_dir(self.config, node_id)) for node_id in node_ids}
         for node_id in node_ids:
             ray.kill(self.nodes[node_id], no_restart=not restart)
-        for node_id, live in lives.items():
-            if live is not None and not wait_unlocked(live, _KILL_TIMEOUT_S):
+        for node_id, lock in locks.items():
+            if lock is not None and not wait_unlocked(lock, _KILL_TIMEOUT_S):
                 log.warning("storage node %d still holds its data dir after ray.kill", node_id)
 
     def kill_meta(self, shard_id: int, restart: bool = True) -> None:

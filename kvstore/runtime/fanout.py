@@ -6,10 +6,14 @@ machine not yet declared dead), ``GetTimeoutError``, ``ActorUnschedulableError``
 ``RayActorError``), ``RayTaskError`` (the actor method raised), ``ObjectLostError``. Nothing
 from Ray escapes the caller.
 
-Methods in ``fast_methods`` (a meta shard's ``lookup_wire``, an entrypoint's ``lookup``: the
-hit path) go over the actor's direct socket instead (``kvstore.runtime.fastcall``) when it
-offers one. A removed machine's worker can linger unresponsive (the kernel still accepts on its
-socket, nobody answers), so under one deadline:
+Methods in ``fast_methods`` (a storage node's shard calls, a meta shard's lookups and write
+calls, an entrypoint's ``lookup``, an SWA store's ``fetch``: the byte and hit paths) go over the
+actor's direct socket instead (``kvstore.runtime.fastcall``) when it offers one. The first call
+to a target goes through Ray while its endpoint is fetched, unless ``prepare`` fetched it up
+front (what a block client of a deployment does: no Ray call on its byte path once it runs). A
+call the wire cannot carry (a type it lacks, a request or an answer over the frame limit: a
+batch larger than the socket is for) goes through Ray. A removed machine's worker can linger
+unresponsive (the kernel still accepts on its socket, nobody answers), so under one deadline:
 
 - calls over connections already open go out at ``submit``; a call that needs a new connection
   is dialed when first waited for, after them, so dialing an unresponsive actor never holds up
@@ -18,7 +22,9 @@ socket, nobody answers), so under one deadline:
 - a call given up on (``cancel``: ``gather`` does it at its deadline) has its connection closed,
   so its late reply is never read as another call's, and its endpoint forgotten: the next call
   goes through Ray, which knows whether the actor is still there, and asks it for a new one;
-- a connection that breaks (a restarted actor) is retried once through Ray, within the deadline.
+- a connection that breaks (a restarted actor) is retried once through Ray, within the deadline;
+- an actor that answers the call itself failed (its method raised, or it was too busy to take
+  the request: ``fastcall``'s in-flight budget) fails it as ``NodeUnavailable``, not retried.
 
 So callers see the same outcomes either way.
 
@@ -44,10 +50,12 @@ from kvstore.runtime.fastcall import (
     FastChannel,
     FastChannels,
     FastConnection,
+    FrameTooLarge,
     RemoteError,
     tls_from_env,
     wait_ready,
 )
+from kvstore.wire import WireError
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +85,16 @@ class RayFanout:
         self._fast_methods = frozenset(fast_methods)
         # TLS where the operator set it (the same variables every process of the cluster reads).
         self._fast = FastChannels(tls=tls_from_env()[1])
+
+    def prepare(self, targets: Iterable[Target[Any]], timeout_s: float) -> list[Target[Any]]:
+        """Fetch the direct-socket endpoints of ``targets`` now (all at once, waiting up to
+        ``timeout_s``), so that their first fast calls do not go through Ray; returns the
+        targets still without one (no actor, no socket, no answer in time: those keep going
+        through Ray and are asked again later)."""
+        handles = {target: self.handle(target) for target in targets}
+        missing = [target for target, handle in handles.items() if handle is None]
+        live = {target: handle for target, handle in handles.items() if handle is not None}
+        return missing + self._fast.prepare(live, timeout_s)
 
     def handle(self, target: Target[Any]) -> Any:
         handle = self._handles.get(target)
@@ -246,6 +264,9 @@ class RayFanout:
         except (OSError, EOFError) as error:
             log.debug("fast call to %s did not start: %s", call.target, error)
             self._via_ray_instead(call)
+        except (TypeError, WireError) as error:  # not for this wire: the channel is fine
+            log.debug("%s.%s goes through Ray: %s", call.target, call.method, error)
+            self._via_ray_instead(call, forget=False)
 
     def _wait_fast(self, calls: list[_Call[Any]], timeout: float) -> None:
         by_conn: dict[FastConnection, _Call[Any]] = {}
@@ -262,6 +283,9 @@ class RayFanout:
         call.conn = None
         try:
             call.succeed(channel.finish(conn))
+        except FrameTooLarge as error:  # a batch beyond the socket's frames: the channel is fine
+            log.debug("%s.%s goes through Ray: %s", call.target, call.method, error)
+            self._via_ray_instead(call, forget=False)
         except RemoteError as error:
             call.fail(NodeUnavailable(f"{call.target}: {error}"))
         except (OSError, EOFError) as error:
@@ -270,11 +294,12 @@ class RayFanout:
             log.debug("fast call to %s lost its connection: %r", call.target, error)
             self._via_ray_instead(call)
 
-    def _via_ray_instead(self, call: _Call[Any]) -> None:
-        """The socket failed: forget the endpoint (asked for again through Ray) and make this
-        call through Ray."""
+    def _via_ray_instead(self, call: _Call[Any], forget: bool = True) -> None:
+        """Make this call through Ray: the socket failed (``forget`` its endpoint: asked for
+        again through Ray) or cannot carry it."""
         assert call.channel is not None
-        self._fast.forget(call.target, call.channel)
+        if forget:
+            self._fast.forget(call.target, call.channel)
         call.channel = None
         self._send_via_ray(call, self.handle(call.target))
 

@@ -1,17 +1,22 @@
-"""A direct socket channel for the few hot calls, beside Ray.
+"""The direct socket channel beside Ray: the data plane of the block tier and the SWA fetch.
 
-Ray stays the control plane (placement, restarts, names, every other call), but a Ray actor
-call cost ~1.5 ms of CPU on this kind of machine, caller and actor together (submit, task
-dispatch, serialisation, output store; measured while profiling QueryHit), and a QueryHit makes
-one per meta shard and one per directory shard. The calls on the hit path (a meta shard's
-``lookup_wire``, an entrypoint's ``lookup``) go instead over a plain socket to a thread in the
-actor's process. A round trip costs tens of microseconds.
+Ray stays the control plane (placement, restarts, names, endpoints, every other call), but a Ray
+actor call cost ~1-1.5 ms of CPU on this kind of machine, caller and actor together (submit,
+task dispatch, serialisation, output store), and a value over 100 KiB goes through the object
+store (MEASURED.md). A plain socket with one request and one scatter-gather reply moves a
+batch at several GB/s. So the calls that move bytes or sit on the hit path go over a socket to
+a thread in the actor's process: a storage node's ``put``/``commit``/``abort``/``get``/``holds``/
+``delete``, a meta shard's ``lookup_wire`` and the calls of every put (``begin_put``,
+``commit``, ``abort_put``, ``release``), an SWA entrypoint's ``lookup`` and an SWA store's
+``fetch`` of a state. A round trip costs tens of microseconds; arrays go out uncopied.
 
 What crosses the socket, and why it is safe to listen:
 
 - **Frames**: a 4-byte big-endian length, then that many bytes; a frame is refused (the peer
   dropped) before it is read when it is longer than the side expects: a handshake message's
-  exact size before the peer is authenticated, ``frame_limit`` after.
+  exact size before the peer is authenticated, ``frame_limit`` after. The limit fits the
+  batches the clients send; a larger call is not sent (the caller checks) and a larger answer
+  not made (``FrameTooLarge``): both go through Ray.
 - **Values** are ``kvstore.wire`` encodings, which build data and never run code (pickle, the
   format before, ran whatever a frame named, in the actor and in the gateway). A call is
   ``(method, args)``, a reply ``(True, value)`` or ``(False, "Type: message")``.
@@ -30,6 +35,15 @@ What crosses the socket, and why it is safe to listen:
 - **Bounded handshakes**: at most ``MAX_HANDSHAKES`` peers are being authenticated at once (one
   thread each; more are closed at once: the caller goes through Ray), each within
   ``HANDSHAKE_TIMEOUT_S`` from its accept, however slowly it sends.
+- **Bounded request bytes**: a server holds at most ``max_inflight_bytes`` of requests at once.
+  A connection reserves its request's size (known from the length prefix) before it reads the
+  body and gives it back once the reply is sent; with the budget spent it waits up to
+  ``budget_wait_s`` (TCP holds the sender back meanwhile), then reads the body into nothing
+  and answers ``busy`` (as does a request larger than the whole budget): the caller's call
+  fails (``NodeUnavailable``), the connection and every other peer go on. A body must arrive,
+  and a reply be taken, within ``io_timeout_s``, so a stalled peer gives its bytes back.
+  Replies are not counted: the served methods make them one at a time (the actor's lock) and
+  each lives only until it is sent, within the same bound.
 - **TLS** (``ServerTLS``/``ClientTLS``, off by default: on loopback it buys nothing) wraps the
   socket before the challenge, for calls between machines: without it, a machine in the path
   could still read or alter the frames of a connection after its handshake. An operator turns
@@ -38,7 +52,8 @@ What crosses the socket, and why it is safe to listen:
 
 Failure semantics match Ray's as the callers see them: a dead or restarted actor closes its
 sockets, the caller's call fails (``NodeUnavailable`` in ``RayFanout``), the stale endpoint is
-forgotten and the next call asks the actor, through Ray, for its new one.
+forgotten and the next call asks the actor, through Ray, for its new one. A caller that wants
+no Ray call on its byte path at all asks for the endpoints up front (``FastChannels.prepare``).
 """
 
 from __future__ import annotations
@@ -54,10 +69,11 @@ import ssl
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from ray.exceptions import RayError
@@ -70,12 +86,21 @@ log = logging.getLogger(__name__)
 
 #: (host, port, authkey) of a serving actor.
 Endpoint = tuple[str, int, bytes]
+K = TypeVar("K", bound=Hashable)
 
 #: A peer must finish the key handshake within this long (both sides), so a dead or wedged
 #: actor makes a call fail instead of hang.
 HANDSHAKE_TIMEOUT_S = 2.0
 #: Peers being authenticated at once (a thread each); more are turned away until one is done.
 MAX_HANDSHAKES = 16
+#: A request's body must arrive (after its length), and its reply be taken, within this long:
+#: a peer stalled mid-frame would otherwise hold a thread and its share of the budget for good.
+IO_TIMEOUT_S = 5.0
+#: Request bytes a server holds at once, by default (a few of the largest batches).
+INFLIGHT_BYTES = 256 << 20
+#: How long a request waits for the budget before it is answered ``busy``: under the callers'
+#: own send bound (``HANDSHAKE_TIMEOUT_S`` at the least), so they read "busy", not a timeout.
+BUDGET_WAIT_S = 1.0
 _BACKLOG = 128
 _MAGIC = b"kvstore.fastcall.v2"
 _NONCE = 32
@@ -83,12 +108,19 @@ _PROOF = 32  # HMAC-SHA256
 _HELLO = len(_MAGIC) + _NONCE
 _ANSWER = _NONCE + _PROOF
 _LENGTH = struct.Struct(">I")
-#: A frame's parts beyond this many are joined before sending (IOV_MAX is 1024 on Linux).
+#: Parts one ``sendmsg`` takes at most (IOV_MAX is 1024 on Linux).
 _MAX_PARTS = 512
+#: TLS sends (no ``sendmsg``) and discarded bodies move in pieces this large, each bounded.
+_CHUNK = 1 << 20
 
 
 class RemoteError(Exception):
     """The served method raised; the message names its type and text."""
+
+
+class FrameTooLarge(RemoteError):
+    """The answer was larger than a frame may be (a batch beyond what the socket carries):
+    nothing failed, the call must go another way (``RayFanout``: through Ray)."""
 
 
 @dataclass(frozen=True)
@@ -184,11 +216,14 @@ def tls_env_options(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
 
 class FastConnection:
     """One framed socket (plain or TLS); what ``connect`` answers. ``send_bytes``/
-    ``recv_bytes`` move one frame of raw bytes; the channel sends ``kvstore.wire`` values."""
+    ``recv_bytes`` move one frame of raw bytes; the channel sends ``kvstore.wire`` values.
+    Every operation given a ``deadline`` (``time.monotonic()``) raises ``TimeoutError`` once
+    it passed; without one it blocks."""
 
     def __init__(self, sock: socket.socket, frame_limit: int = MAX_FRAME_BYTES) -> None:
         self._sock = sock
         self._tls = isinstance(sock, ssl.SSLSocket)
+        self._timed = False  # whether a deadline left a timeout on the socket
         self.frame_limit = frame_limit
 
     def fileno(self) -> int:
@@ -201,12 +236,15 @@ class FastConnection:
     def send_frame(self, parts: Sequence[Buffer], deadline: float | None = None) -> None:
         views = [memoryview(part).cast("B") for part in parts]
         views.insert(0, memoryview(_LENGTH.pack(sum(map(len, views)))))
-        self._until(deadline)
-        if self._tls or len(views) > _MAX_PARTS:
-            self._sock.sendall(b"".join(views))  # TLS has no sendmsg
+        if self._tls:  # TLS has no sendmsg
+            data = memoryview(b"".join(views))
+            for start in range(0, len(data), _CHUNK):
+                self._until(deadline)
+                self._sock.sendall(data[start : start + _CHUNK])
             return
         while views:  # scatter-gather: the arrays' memory goes out uncopied
-            sent = self._sock.sendmsg(views)
+            self._until(deadline)
+            sent = self._sock.sendmsg(views[:_MAX_PARTS])
             while views and sent >= len(views[0]):
                 sent -= len(views.pop(0))
             if views and sent:
@@ -215,15 +253,31 @@ class FastConnection:
     def recv_frame(self, limit: int | None = None, deadline: float | None = None) -> bytearray:
         """The next frame; ``WireError`` when its length passes ``limit`` (the frame is not
         read: drop the connection), ``EOFError`` when the peer hung up."""
-        head = bytearray(_LENGTH.size)
-        self._recv_into(memoryview(head), deadline)
-        (size,) = _LENGTH.unpack(head)
+        size = self.recv_length(deadline)
         limit = self.frame_limit if limit is None else limit
         if size > limit:
             raise WireError(f"a frame of {size} bytes, {limit} at the most")
+        return self.recv_body(size, deadline)
+
+    def recv_length(self, deadline: float | None = None) -> int:
+        """The length prefix of the next frame (its body is still to read)."""
+        head = bytearray(_LENGTH.size)
+        self._recv_into(memoryview(head), deadline)
+        size: int = _LENGTH.unpack(head)[0]
+        return size
+
+    def recv_body(self, size: int, deadline: float | None = None) -> bytearray:
         body = bytearray(size)
         self._recv_into(memoryview(body), deadline)
         return body
+
+    def discard(self, size: int, deadline: float | None = None) -> None:
+        """Read ``size`` bytes into nothing (a body refused unread would break the stream)."""
+        scratch = memoryview(bytearray(min(size, _CHUNK)))
+        while size:
+            piece = min(size, len(scratch))
+            self._recv_into(scratch[:piece], deadline)
+            size -= piece
 
     def _recv_into(self, view: memoryview, deadline: float | None) -> None:
         while view:
@@ -235,11 +289,16 @@ class FastConnection:
 
     def _until(self, deadline: float | None) -> None:
         """Bound the next socket operation by ``deadline`` (None: block)."""
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("fastcall: the handshake took too long")
-            self._sock.settimeout(left)
+        if deadline is None:
+            if self._timed:
+                self._sock.settimeout(None)
+                self._timed = False
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("fastcall: the peer took too long")
+        self._sock.settimeout(left)
+        self._timed = True
 
     def send_bytes(self, data: Buffer) -> None:
         self.send_frame([data])
@@ -283,6 +342,36 @@ def _tls_handshake(sock: ssl.SSLSocket, deadline: float) -> None:
         poller.unregister(sock)
 
 
+class _Budget:
+    """Request bytes a server holds at once, at most ``limit`` (see the module doc)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError(f"max_inflight_bytes must be positive, got {limit}")
+        self.limit = limit
+        self.held = 0
+        self.peak = 0
+        self.refused = 0
+        self._changed = threading.Condition()
+
+    def take(self, size: int, wait_s: float) -> bool:
+        """Reserve ``size`` bytes, waiting up to ``wait_s`` for them; False: refused."""
+        with self._changed:
+            if size > self.limit or not self._changed.wait_for(
+                lambda: self.held + size <= self.limit, wait_s
+            ):
+                self.refused += 1
+                return False
+            self.held += size
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def give(self, size: int) -> None:
+        with self._changed:
+            self.held -= size
+            self._changed.notify_all()
+
+
 class FastCallServer:
     """Serves ``methods`` of ``target`` on ``host`` (an ephemeral port), one thread per peer.
     After each reply is sent, the target's ``after_reply()`` (if any) runs: work a call brought
@@ -291,6 +380,8 @@ class FastCallServer:
     ``lock`` is the lock the actor already holds around its plain object, so socket calls and
     Ray calls never run in it at once. Each peer first passes the mutual challenge (see the
     module doc), in its own thread, so a slow or silent peer never holds up the others.
+    ``max_inflight_bytes``, ``budget_wait_s`` and ``io_timeout_s`` bound the request bytes held
+    at once and how long a peer may hold them (the module doc).
     """
 
     def __init__(
@@ -301,12 +392,20 @@ class FastCallServer:
         host: str = "127.0.0.1",
         tls: ServerTLS | None = None,
         frame_limit: int = MAX_FRAME_BYTES,
+        max_inflight_bytes: int = INFLIGHT_BYTES,
+        budget_wait_s: float = BUDGET_WAIT_S,
+        io_timeout_s: float = IO_TIMEOUT_S,
     ) -> None:
         self._target = target
         self._methods = frozenset(methods)
         self._lock = lock
         self._tls = tls.context() if tls is not None else None
         self._frame_limit = frame_limit
+        self._budget = _Budget(max_inflight_bytes)
+        self._budget_wait = budget_wait_s
+        self._io_timeout = io_timeout_s
+        self._served: Counter[str] = Counter()
+        self._counting = threading.Lock()  # not ``lock``: the actor may hold it asking stats()
         self._authkey = os.urandom(32)
         self._socket = socket.create_server((host, 0), backlog=_BACKLOG)
         address = self._socket.getsockname()
@@ -318,6 +417,20 @@ class FastCallServer:
         # linger a while; its socket must not keep answering for a dead actor.
         self._parent = os.getppid()
         threading.Thread(target=self._accept_loop, name="fastcall-accept", daemon=True).start()
+
+    def stats(self) -> dict[str, Any]:
+        """Calls served per method, requests refused ``busy``, request bytes held now and at
+        the most so far."""
+        budget = self._budget
+        with self._counting:
+            served = dict(self._served)
+        return {
+            "served": served,
+            "refused_busy": budget.refused,
+            "inflight_bytes": budget.held,
+            "inflight_peak": budget.peak,
+            "max_inflight_bytes": budget.limit,
+        }
 
     def _orphaned(self) -> bool:
         if os.getppid() == self._parent:
@@ -351,31 +464,67 @@ class FastCallServer:
         with conn:
             while True:
                 try:
-                    method, args = _request(conn.recv_frame())
+                    size = conn.recv_length()  # an idle pooled connection waits here
                 except (EOFError, OSError):
                     return  # the peer went away
-                except WireError as error:  # an undecodable message: drop this peer
-                    log.warning("fastcall: dropped a peer: %s", error)
+                if size > self._frame_limit:  # dropped unread: no call of ours is that long
+                    log.warning(
+                        "fastcall: dropped a peer sending %d bytes (%d at the most)",
+                        size,
+                        self._frame_limit,
+                    )
                     return
-                if self._orphaned():
-                    return  # the caller sees the connection close and asks Ray instead
-                if method not in self._methods:
-                    reply: tuple[bool, Any] = (False, f"no fast method {method!r}")
-                else:
-                    try:
-                        with self._lock:
-                            reply = (True, getattr(self._target, method)(*args))
-                    except Exception as error:
-                        reply = (False, f"{type(error).__name__}: {error}")
+                held = self._budget.take(size, self._budget_wait)
                 try:
-                    parts = wire.encode(reply, self._frame_limit)
-                except (TypeError, WireError) as error:  # an answer the wire does not carry
-                    parts = wire.encode((False, f"{type(error).__name__}: {error}"))
-                try:
-                    conn.send_frame(parts)
-                except OSError:
+                    reply = self._answer(conn, size, held)
+                    if reply is None:
+                        return
+                    conn.send_frame(reply, time.monotonic() + self._io_timeout)
+                except (EOFError, OSError):  # gone, or stalled past io_timeout_s
                     return
-                self._after_reply()
+                finally:
+                    if held:
+                        self._budget.give(size)
+                if held:
+                    self._after_reply()
+
+    def _answer(self, conn: FastConnection, size: int, held: bool) -> list[Buffer] | None:
+        """The reply frame to the request of ``size`` bytes whose body is next on ``conn`` (its
+        bytes reserved when ``held``), or None: drop this peer."""
+        deadline = time.monotonic() + self._io_timeout
+        if not held:  # read into nothing: the stream stays in step for the next call
+            conn.discard(size, deadline)
+            budget = self._budget
+            why = (
+                f"a call of {size} bytes is over the in-flight budget of {budget.limit}"
+                if size > budget.limit
+                else f"{budget.held} of {budget.limit} in-flight bytes held for "
+                f"{self._budget_wait} s"
+            )
+            return wire.encode((False, f"busy: {why}"))
+        try:
+            method, args = _request(conn.recv_body(size, deadline))
+        except WireError as error:  # an undecodable message: drop this peer
+            log.warning("fastcall: dropped a peer: %s", error)
+            return None
+        if self._orphaned():
+            return None  # the caller sees the connection close and asks Ray instead
+        if method not in self._methods:
+            reply: tuple[bool, Any] = (False, f"no fast method {method!r}")
+        else:
+            try:
+                with self._lock:
+                    reply = (True, getattr(self._target, method)(*args))
+                    with self._counting:
+                        self._served[method] += 1
+            except Exception as error:
+                reply = (False, f"{type(error).__name__}: {error}")
+        try:
+            return wire.encode(reply, self._frame_limit)
+        except WireError as error:  # a batch too large for one frame: the caller asks Ray
+            return wire.encode((False, f"{FrameTooLarge.__name__}: {error}"))
+        except TypeError as error:  # an answer the wire does not carry
+            return wire.encode((False, f"{type(error).__name__}: {error}"))
 
     def _handshake(self, peer: socket.socket) -> FastConnection | None:
         """The peer, authenticated (None when it failed the challenge or took too long)."""
@@ -514,10 +663,11 @@ class FastChannel:
     ) -> FastConnection:
         """Send a call; the returned connection becomes readable when its reply is in.
         Raises ``OSError``/``EOFError`` when the actor cannot be reached (``TimeoutError``
-        when a new connection is not set up within ``dial_timeout_s``: a caller with a
-        deadline passes what is left of it; a loaded actor may take a while to answer, so a
-        short fixed bound would make healthy dials fail), ``TypeError`` for an argument the
-        wire does not carry (before any socket is used)."""
+        when a new connection is not set up, or the call not sent, within ``dial_timeout_s``:
+        a caller with a deadline passes what is left of it; a loaded actor may take a while to
+        answer, so a short fixed bound would make healthy dials fail), ``TypeError`` for an
+        argument the wire does not carry and ``WireError`` for a call over the frame limit
+        (both before any socket is used)."""
         parts = wire.encode((method, tuple(args)), self._frame_limit)
         with self._lock:
             conn = self._free.pop() if self._free else None
@@ -525,7 +675,9 @@ class FastChannel:
             timeout = max(0.001, min(dial_timeout_s, HANDSHAKE_TIMEOUT_S))
             conn = connect(self.endpoint, timeout, self._tls, self._frame_limit)
         try:
-            conn.send_frame(parts)
+            # Bounded: a batch of shards is more than the socket buffers hold, and a frozen
+            # actor would otherwise keep the sender here for good.
+            conn.send_frame(parts, time.monotonic() + max(0.001, dial_timeout_s))
         except BaseException:
             conn.close()
             raise
@@ -533,10 +685,12 @@ class FastChannel:
 
     def finish(self, conn: FastConnection) -> Any:
         """The reply of the call sent on ``conn`` (ready: see ``wait_ready``); ``conn`` is
-        reused. Raises ``RemoteError`` if the method raised, ``OSError``/``EOFError`` if the
+        reused. Raises ``RemoteError`` if the method raised or the actor was too busy
+        (``FrameTooLarge``: the answer would not fit a frame), ``OSError``/``EOFError`` if the
         actor went away (or answered a frame that is not a reply: the connection is dropped)."""
         try:
-            reply = wire.decode(conn.recv_frame())
+            # Its first bytes are in; the rest must follow within a bound (a frozen actor).
+            reply = wire.decode(conn.recv_frame(deadline=time.monotonic() + IO_TIMEOUT_S))
             if type(reply) is not tuple or len(reply) != 2 or type(reply[0]) is not bool:
                 raise WireError("a reply is (ok: bool, value)")
         except WireError as error:
@@ -550,7 +704,8 @@ class FastChannel:
             self._free.append(conn)
         ok, value = reply
         if not ok:
-            raise RemoteError(value)
+            too_large = str(value).startswith(f"{FrameTooLarge.__name__}:")
+            raise (FrameTooLarge if too_large else RemoteError)(value)
         return value
 
     def close(self) -> None:
@@ -561,10 +716,11 @@ class FastChannel:
 
 
 class FastChannels:
-    """Channels to many actors, by target name. Never blocks: the first call to a target (and
-    the first after its channel failed) goes through Ray while the actor is asked, through Ray
-    too, for its endpoint (``fast_endpoint()``); later calls use the socket. A target without
-    one (or not answering) is asked again after ``retry_s``."""
+    """Channels to many actors, by target name. ``get`` never blocks: the first call to a
+    target (and the first after its channel failed) goes through Ray while the actor is asked,
+    through Ray too, for its endpoint (``fast_endpoint()``); later calls use the socket
+    (``prepare`` asks up front). A target without one (or not answering) is asked again after
+    ``retry_s``."""
 
     def __init__(self, retry_s: float = 1.0, tls: ClientTLS | None = None) -> None:
         self._retry = retry_s
@@ -604,6 +760,18 @@ class FastChannels:
             self._asking.pop(target, None)
             channel = FastChannel((host, port, authkey), self._tls)
             return self._channels.setdefault(target, channel)
+
+    def prepare(self, handles: Mapping[K, Any], timeout_s: float) -> list[K]:
+        """Ask every target of ``handles`` (target -> actor handle) without a channel for its
+        endpoint, all at once, and wait up to ``timeout_s`` for the answers, so that even the
+        first calls go over the sockets; returns the targets still without a channel."""
+        for target, handle in handles.items():
+            self.get(target, handle)  # starts asking
+        with self._lock:
+            asking = [self._asking[target] for target in handles if target in self._asking]
+        if asking:
+            ray.wait(asking, num_returns=len(asking), timeout=max(0.0, timeout_s))
+        return [target for target, handle in handles.items() if self.get(target, handle) is None]
 
     def forget(self, target: Hashable, channel: FastChannel) -> None:
         """The actor behind ``channel`` went away (or restarted on a new port)."""

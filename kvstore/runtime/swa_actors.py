@@ -13,6 +13,11 @@ Placement:
 
 Actor names are ``<config.name>-store-<machine>`` and ``<config.name>-entry-<shard>`` in the
 driver's namespace, so a client anywhere in the cluster finds them by name.
+
+Fetches of a state from another Ray node go over the store's direct socket
+(``kvstore.runtime.fastcall``): one request, one scatter-gather reply straight from the object
+store's shared memory, no Ray call. A reader on the store's own node maps the state from shared
+memory through Ray instead (no copy at all).
 """
 
 from __future__ import annotations
@@ -52,9 +57,11 @@ from kvstore.swa.store import SWAStore
 from kvstore.swa.transport import (
     EntrypointCalls,
     LookupCalls,
+    StoreCalls,
     SWALayout,
     entry_target,
     layout_for,
+    store_target,
 )
 
 log = logging.getLogger(__name__)
@@ -140,6 +147,33 @@ class SWAEntrypointActor:
         return str(ray.get_runtime_context().get_node_id())
 
 
+async def _held(agent: StoreAgent, key: BlockKey) -> Any | None:
+    return agent.get(key)
+
+
+class _SocketFetch:
+    """A store's ``fetch`` as its socket thread serves it: the agent is touched on the actor's
+    event loop only (its one owner), the bytes are read from the object store in this thread."""
+
+    def __init__(
+        self, agent: StoreAgent, loop: asyncio.AbstractEventLoop, node: str, timeout_s: float
+    ) -> None:
+        self._agent = agent
+        self._loop = loop
+        self._node = node
+        self._timeout = timeout_s
+
+    def fetch(self, key: BlockKey, reader_node: str) -> np.ndarray | bool | None:
+        held = asyncio.run_coroutine_threadsafe(_held(self._agent, key), self._loop)
+        ref = held.result(self._timeout)
+        if ref is None:
+            return None
+        if reader_node == self._node:
+            return True  # map it from shared memory (``get``): no copy at all
+        array: np.ndarray = ray.get(ref, timeout=self._timeout)  # a view of shared memory
+        return array
+
+
 @ray.remote
 class SWAStoreActor:
     """One machine's SWA store. Async: fetches, puts and the heartbeat loop interleave on one
@@ -174,6 +208,16 @@ class SWAStoreActor:
         # One heartbeat loop per shard: a shard that hangs until the call timeout (its machine
         # died) never delays the heartbeats that keep this store alive in the other shards.
         loop = asyncio.get_running_loop()
+        # Fetches from other nodes come over a direct socket (the module doc), in TLS where
+        # the operator set it (the environment deploy_swa handed on). The lock only orders
+        # the socket's own calls: the agent is reached through the loop.
+        self._fast = FastCallServer(
+            _SocketFetch(self._agent, loop, self._node, config.call_timeout_s),
+            ("fetch",),
+            threading.Lock(),
+            ray.util.get_node_ip_address(),
+            tls=tls_from_env(serving=True)[0],
+        )
         self._loops = [loop.create_task(self._expiry_loop())]
         self._loops += [loop.create_task(self._heartbeat_loop(s)) for s in shards]
 
@@ -206,6 +250,21 @@ class SWAStoreActor:
             return [ref]
         return await ref
 
+    async def fetch(self, key: BlockKey, reader_node: str) -> np.ndarray | bool | None:
+        """``StoreCalls.fetch`` through Ray (the first fetch, before the caller has this
+        store's socket): the bytes inline, None, or True for a reader on this node."""
+        ref = self._agent.get(key)
+        if ref is None:
+            return None
+        if reader_node == self._node:
+            return True
+        array: np.ndarray = await ref
+        return array
+
+    async def fast_endpoint(self) -> tuple[str, int, bytes]:
+        """Where (and with which key) the direct socket of this incarnation listens."""
+        return self._fast.endpoint
+
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [key in self._agent.store for key in keys]
 
@@ -219,6 +278,7 @@ class SWAStoreActor:
         stats = self._agent.store.stats().__dict__
         stats["pending_changes"] = self._agent.pending_count()
         stats["incarnation"] = self._agent.incarnation
+        stats["fastcall"] = self._fast.stats()
         return stats
 
     async def ping(self) -> str:
@@ -416,6 +476,10 @@ class SWARayTransport:
             resolve=lambda target: find_actor(entry_actor_name(config, str(target.id))),
             fast_methods=(EntrypointCalls.lookup,),
         )
+        self._stores = RayFanout(
+            {}, resolve=lambda target: find_actor(str(target.id)), fast_methods=(StoreCalls.fetch,)
+        )
+        self._near: set[str] = set()  # stores on this Ray node: states mapped, not sent
 
     def __getstate__(self) -> dict[str, Any]:
         layout = self._layout
@@ -468,8 +532,27 @@ class SWARayTransport:
         return out
 
     def fetch(self, owner: StoreRef, key: BlockKey) -> np.ndarray | None:
-        """The state's bytes (read-only), within one timeout; None on any failure."""
+        """The state's bytes (read-only), within one timeout; None on any failure. From
+        another node over the store's direct socket (the first time through Ray, while its
+        endpoint is asked for); from this node's store mapped from shared memory."""
         store_name = owner.store_name
+        if store_name not in self._near:
+            target = store_target(store_name)
+            ticket = self._stores.submit(target, StoreCalls.fetch, key, self._reader_node())
+            answer = gather(self._stores, [ticket], self._timeout)[ticket]
+            if isinstance(answer, NodeUnavailable):
+                log.debug("state from %s not fetched: %s", store_name, answer)
+                return None
+            if answer is not True:
+                if not isinstance(answer, np.ndarray):
+                    return None
+                answer.flags.writeable = False  # as a mapped state is: the caller's to read
+                return answer
+            self._near.add(store_name)
+        return self._map(store_name, key)
+
+    def _map(self, store_name: str, key: BlockKey) -> np.ndarray | None:
+        """A state of a store on this node, mapped from shared memory (no copy)."""
         handle = self._handle(store_name)
         if handle is None:
             return None
@@ -536,3 +619,4 @@ class SWARayTransport:
 if TYPE_CHECKING:
     # The entrypoint's shell answers what a fanout asks of it (a drifted signature fails mypy).
     _entry_shell: type[EntrypointCalls] = SWAEntrypointActor
+    _store_socket: type[StoreCalls] = _SocketFetch  # (the async shell's ``fetch`` mirrors it)

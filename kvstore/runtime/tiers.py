@@ -62,7 +62,6 @@ def cluster_tier(
     geometry: GeometryConfig,
     *,
     local_machine: str | None = None,
-    local_reads: bool | None = None,
     foreign_leases: bool = False,
     block_bytes: int | None = None,
 ) -> ClusterTier:
@@ -73,7 +72,7 @@ def cluster_tier(
     if swa is not None:
         swa_client = SWAClient(swa, SWARayTransport(swa), local_machine=local_machine)
     return ClusterTier(
-        blocks=blocks.client(local_reads=local_reads),
+        blocks=blocks.client(),
         swa=swa_client,
         geometry=geometry,
         state_size=geometry.state_size_to_disk,

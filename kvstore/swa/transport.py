@@ -43,6 +43,24 @@ def entry_target(shard_id: str) -> Target[EntrypointCalls]:
     return Target(ENTRY, shard_id)
 
 
+#: SWA stores, as fanout targets; their ids are store (actor) names.
+STORE = "swa-store"
+
+
+class StoreCalls(Protocol):
+    """What an SWA store answers through a ``Fanout``."""
+
+    def fetch(self, key: BlockKey, reader_node: str) -> np.ndarray | bool | None:
+        """The state's bytes for a reader on Ray node ``reader_node``; None: a miss; True: the
+        reader is on the store's own node, where it maps the state from shared memory instead
+        (it asks again for a reference)."""
+        ...
+
+
+def store_target(store_name: str) -> Target[StoreCalls]:
+    return Target(STORE, store_name)
+
+
 if TYPE_CHECKING:  # the plain shard answers every call (its Ray shell is checked there)
     _shard: type[EntrypointCalls] = DirectoryShard
 

@@ -13,7 +13,6 @@ import pytest
 
 from kvstore.blockstore.config import StorageNodeConfig
 from kvstore.blockstore.node import StorageNode
-from kvstore.blockstore.shardfile import payload_hash
 from kvstore.chaos.catalog import CATALOG, DEFAULT_RUN, SCENARIO_NAMES
 from kvstore.chaos.faults import CORRUPTIONS, corrupt_shard
 from kvstore.chaos.ledger import Ledger, payload_for
@@ -50,33 +49,34 @@ def test_the_ledger_tells_exact_bytes_from_misses_and_wrong_bytes() -> None:
 def test_every_kind_of_damage_is_caught_by_the_node_and_never_served(
     how: str, tmp_path: Path
 ) -> None:
-    node = StorageNode(0, tmp_path, StorageNodeConfig(fsync="never", read_cache_bytes=0))
-    key = os.urandom(32)
-    payload = payload_for(key, 50_000)
-    shard = Codec(10, 2).encode(payload, key)[3]
-    assert node.put(7, [key], [shard], [payload_hash(payload)], [0], [1.0]) == [True]
-    assert node.commit(7, [key]) == [True]
-    path = tmp_path / "shards" / key.hex()
+    node = StorageNode(0, tmp_path, StorageNodeConfig(fsync="never"))
+    keys = [os.urandom(32) for _ in range(3)]
+    shards = [Codec(10, 2).encode(payload_for(key, 50_000), key)[3] for key in keys]
+    assert node.put(7, keys, shards, [0] * 3, [1.0] * 3) == [True] * 3
+    assert node.commit(7, keys) == [True] * 3
+    (location,) = node.locate([keys[1]])
+    assert location is not None
+    path = Path(location[0])
     before = path.read_bytes()
-    corrupt_shard(path, how, random.Random(1))
-    if how == "delete":
-        assert not path.exists()
-    else:
-        assert path.read_bytes() != before
+    corrupt_shard(location, how, random.Random(1))
+    after = path.read_bytes()
+    changed = [i for i in range(len(before)) if before[i] != after[i]]
+    assert changed and location[1] <= changed[0] and changed[-1] < location[1] + location[2]
     report = node.scrub()
-    assert report["corrupt"] == [(key, 3)]
-    assert node.read_files([key]) == [None]  # quarantined: a miss from now on
+    assert report["corrupt"] == [(keys[1], 3)]
+    assert node.read_shards([keys[1]]) == [None]  # forgotten: a miss from now on
+    neighbours = node.read_shards([keys[0], keys[2]])  # the rest of the segment is intact
+    assert [bytes(s) for s in neighbours] == [bytes(shards[0]), bytes(shards[2])]  # type: ignore[arg-type]
 
 
 def test_corrupting_with_an_unknown_kind_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="how"):
-        corrupt_shard(tmp_path / "x", "melt", random.Random(0))
+        corrupt_shard((str(tmp_path / "x"), 0, 1), "melt", random.Random(0))
 
 
 def test_chaos_config_needs_a_spare_machine_and_positive_timings(tmp_path: Path) -> None:
     config = ChaosConfig(data_root=str(tmp_path))
     assert config.storage_nodes == 13 and config.blockstore().storage_nodes == 13
-    assert config.blockstore().node.read_cache_bytes == 0  # disk damage must reach readers
     with pytest.raises(ConfigError, match="storage_nodes"):
         ChaosConfig(data_root=str(tmp_path), storage_nodes=12)
     with pytest.raises(ConfigError, match="dead_after_s"):
@@ -85,10 +85,10 @@ def test_chaos_config_needs_a_spare_machine_and_positive_timings(tmp_path: Path)
         ChaosConfig(data_root="")
 
 
-def test_the_catalog_lists_the_ten_scenarios_and_the_default_four() -> None:
-    assert [number for number, *_ in CATALOG] == list(range(1, 11))
-    assert len(set(SCENARIO_NAMES)) == 10
-    assert DEFAULT_RUN == ("kill-two", "kill-three", "corrupt", "swa")
+def test_the_catalog_lists_the_fourteen_scenarios_and_the_default_five() -> None:
+    assert [number for number, *_ in CATALOG] == list(range(1, 15))
+    assert len(set(SCENARIO_NAMES)) == 14
+    assert DEFAULT_RUN == ("kill-two", "kill-three", "corrupt", "swa", "torn-tail")
 
 
 def test_the_table_and_json_carry_every_column_and_flag_broken_promises() -> None:

@@ -1,5 +1,5 @@
-"""Scenarios 3, 4, 7, 8, 9, 10 on the real multi-node tier (marker ``chaos``: run by .ci/run with
-``-m chaos``, not by the default run)."""
+"""Scenarios 3, 4, 7-10 and 12-14 on the real multi-node tier (marker ``chaos``: run by
+.ci/run with ``-m chaos``, not by the default run)."""
 
 from __future__ import annotations
 
@@ -73,5 +73,33 @@ def test_hedged_reads_keep_get_p99_within_twice_normal_with_a_slow_node(
     assert result.violations == []
     assert result.details["get_p99_slow_ms"] <= 2 * result.details["get_p99_normal_ms"]
     assert result.details["hedged_reads"] > 0
+    assert result.wrong_bytes == 0 and result.failed_reads == 0 and result.blocks_lost == 0
+    assert result.ok
+
+
+def test_noise_in_a_sealed_segment_is_erasures_then_repaired(chaos_tier: ChaosTier) -> None:
+    result = run_scenario(chaos_tier, BY_NAME["segment-corrupt"])
+    assert result.violations == []
+    assert result.details["scrub_found"] > 0
+    assert result.wrong_bytes == 0 and result.failed_reads == 0 and result.blocks_lost == 0
+    assert result.ok
+
+
+def test_compaction_moves_leased_blocks_under_reads_without_a_wrong_byte(
+    chaos_tier: ChaosTier,
+) -> None:
+    result = run_scenario(chaos_tier, BY_NAME["compaction-race"])
+    assert result.violations == []
+    assert result.details["evicted"] == 120  # every block but the 40 leased ones
+    assert result.details["segments_removed"] > 0 and result.details["reads"]["ok"] > 0
+    assert result.wrong_bytes == 0 and result.failed_reads == 0 and result.blocks_lost == 0
+    assert result.ok
+
+
+def test_a_node_holding_200k_shards_serves_again_within_5_s(chaos_tier: ChaosTier) -> None:
+    result = run_scenario(chaos_tier, BY_NAME["restart-200k"])
+    assert result.violations == []
+    assert result.details["shards"] >= 200_000
+    assert result.details["restart_to_serving_s"] <= 5.0
     assert result.wrong_bytes == 0 and result.failed_reads == 0 and result.blocks_lost == 0
     assert result.ok

@@ -1,4 +1,4 @@
-"""Scenarios 1, 2, 5 and 6 on the real multi-node tier (part of the default test run).
+"""Scenarios 1, 2, 5, 6 and 11 on the real multi-node tier (part of the default test run).
 
 Every test asserts the promise in numbers: 0 wrong bytes, 0 failed reads of data the promise
 covers, 0 committed blocks lost, and the misses the fault must cause."""
@@ -71,4 +71,16 @@ def test_losing_an_entrypoint_and_a_machine_with_swa_states_gives_misses_not_err
     assert standard["swa_hit"] is False and standard["hit_tokens"] == 9 * 128
     assert result.expected_misses > 0  # the lost machine's states
     assert result.wrong_bytes == 0 and result.failed_reads == 0 and result.blocks_lost == 0
+    assert result.ok
+
+
+def test_a_node_killed_mid_append_cuts_its_torn_tail_and_loses_nothing(
+    chaos_tier: ChaosTier,
+) -> None:
+    result = run_scenario(chaos_tier, BY_NAME["torn-tail"])
+    assert result.violations == []
+    assert result.details["damaged_records_at_start"] >= 1  # the torn record was found ...
+    assert result.details["load"]["puts_ok"] > 0  # ... while writers were writing
+    assert result.wrong_bytes == 0 and result.failed_reads == 0 and result.blocks_lost == 0
+    assert result.repair_s is not None
     assert result.ok

@@ -9,11 +9,12 @@ import ssl
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 from certs import self_signed
 
-from kvstore.blockstore.calls import meta_target
+from kvstore.blockstore.calls import meta_target, node_target
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
 from kvstore.runtime.cluster import LocalCluster
 from kvstore.runtime.deploy import deploy_blockstore
@@ -26,7 +27,7 @@ from kvstore.runtime.fastcall import (
 )
 
 
-def test_meta_lookups_go_over_tls_when_the_deployer_sets_it(
+def test_lookups_and_shard_bytes_go_over_tls_when_the_deployer_sets_it(
     ray_cluster: LocalCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cert, key = self_signed(tmp_path)
@@ -39,7 +40,7 @@ def test_meta_lookups_go_over_tls_when_the_deployer_sets_it(
         parity_shards=2,
         storage_nodes=6,
         meta_shards=1,
-        node=StorageNodeConfig(fsync="never", read_cache_bytes=0),
+        node=StorageNodeConfig(fsync="never"),
         data_root=str(tmp_path / "blocks"),
         deployment=f"tls{os.getpid()}",
     )
@@ -62,5 +63,15 @@ def test_meta_lookups_go_over_tls_when_the_deployer_sets_it(
             time.sleep(0.05)
         assert isinstance(channel._free[0]._sock, ssl.SSLSocket)
         assert channel._free[0]._sock.version() in ("TLSv1.2", "TLSv1.3")
+
+        payload = np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8)
+        key = os.urandom(32)
+        assert client.put_blocks([key], [payload]).stored == [key]
+        got = client.get_blocks([key])[0]
+        assert got is not None and got.tobytes() == payload.tobytes()
+        nodes = [fast._channels.get(node_target(i)) for i in range(config.storage_nodes)]
+        used = [conn for channel in nodes if channel is not None for conn in channel._free]
+        assert len(used) >= config.storage_nodes  # every node took its shard over a socket
+        assert all(isinstance(conn._sock, ssl.SSLSocket) for conn in used)
     finally:
         handles.shutdown()

@@ -46,7 +46,7 @@ def tier(ray_cluster: LocalCluster, tmp_path: Path):  # type: ignore[no-untyped-
         storage_nodes=6,
         meta_shards=2,
         orphan_grace_s=0.0,
-        node=StorageNodeConfig(fsync="never", read_cache_bytes=0),
+        node=StorageNodeConfig(fsync="never"),
         data_root=str(tmp_path / "blocks"),
         deployment=f"gcray{os.getpid()}",
     )

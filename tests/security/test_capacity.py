@@ -3,7 +3,8 @@ against what the disk really has, on real storage nodes sharing this machine's f
 
 Findings: 64 GiB per node by default while 12 nodes shared one filesystem (the GC believed in
 677 GB with 77 GB free: ENOSPC long before the high watermark), and usage counted apparent sizes
-(200 one-byte blocks took 10.5 MB of disk blocks and counted a fraction of it).
+(200 one-byte blocks took 10.5 MB of disk blocks and counted a fraction of it). Since the segment
+log (issue 17) a node holds a few large files, counted as allocated; the GC counts live bytes.
 """
 
 from __future__ import annotations
@@ -60,12 +61,8 @@ class _Tier:
 
 
 def _allocated(root: Path) -> int:
-    """Bytes the shard files under ``root`` take on disk, as the filesystem counts them."""
-    return sum(
-        path.lstat().st_blocks * 512
-        for path in root.glob("node-*/*/*")
-        if path.parent.name in ("shards", "pending")
-    )
+    """Bytes the segment files under ``root`` take on disk, as the filesystem counts them."""
+    return sum(path.lstat().st_blocks * 512 for path in root.glob("node-*/segments/*.seg"))
 
 
 def test_twelve_nodes_on_one_filesystem_count_its_free_space_once(tmp_path: Path) -> None:
@@ -76,23 +73,29 @@ def test_twelve_nodes_on_one_filesystem_count_its_free_space_once(tmp_path: Path
     free = disk.f_bavail * disk.f_frsize
     used = int(report["used_bytes_before"])  # type: ignore[call-overload]
     capacity = int(report["capacity_bytes"])  # type: ignore[call-overload]
+    held = _allocated(tmp_path / "blocks")
     # All that the nodes could ever hold: what they hold plus what the disk has left.
-    assert used < capacity <= used + free, (capacity, used, free)
-    assert used == _allocated(tmp_path / "blocks") > 0
+    assert used < capacity <= held + free, (capacity, used, held, free)
+    # The GC counts the blocks' live records: never more than the disk holds for them.
+    assert 0 < used <= held
+    assert sum(node.usage()["bytes_used"] for node in tier.nodes) == held
     # And each node alone, taken as the GC takes it, never claims more than the disk has.
     for node in tier.nodes:
         usage = node.usage()
         assert usage["capacity_bytes"] <= usage["bytes_used"] + free
 
 
-def test_two_hundred_one_byte_blocks_count_as_the_disk_blocks_they_take(tmp_path: Path) -> None:
+def test_two_hundred_one_byte_blocks_take_a_segment_a_node_counted_as_allocated(
+    tmp_path: Path,
+) -> None:
     tier = _Tier(tmp_path / "blocks")
     keys = [_key(i) for i in range(200)]
     payloads = [np.full(1, i % 256, dtype=np.uint8) for i in range(200)]
     result = tier.client.put_blocks(keys, payloads, "default")
     assert result.ok and len(result.stored) == 200
+    files = list((tmp_path / "blocks").glob("node-*/segments/*"))
+    assert len(files) == NODES  # one segment each, not 2,400 shard files
     allocated = _allocated(tmp_path / "blocks")
-    apparent = sum(path.lstat().st_size for path in (tmp_path / "blocks").glob("node-*/shards/*"))
-    assert allocated >= 200 * NODES * 512 > apparent  # disk blocks, not bytes of content
-    assert sum(node.usage()["bytes_used"] for node in tier.nodes) == allocated
-    assert tier.gc_pass()["used_bytes_before"] == allocated
+    assert sum(node.usage()["bytes_used"] for node in tier.nodes) == allocated > 0
+    live = sum(node.usage()["live_bytes"] for node in tier.nodes)
+    assert tier.gc_pass()["used_bytes_before"] == live <= allocated

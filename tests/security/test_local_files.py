@@ -4,7 +4,8 @@ attack or the loose mode reproduced against real storage nodes on real directori
 Findings: data dirs 0755 and shard files 0644 (any local user read another tenant's KV); a data
 dir pre-created by another user was accepted; temp files (``LIVE.tmp``, ``NODE.tmp``, pending
 shards, the manifest snapshot's temp) were opened through a symlink planted at their name, so a
-root storage node overwrote a root-owned 0600 file elsewhere.
+root storage node overwrote a root-owned 0600 file elsewhere. (A node's files have changed since,
+to ``NODE``, ``LOCK`` and its log's segments: the same checks hold for each.)
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import pytest
 
 from kvstore.blockstore.config import StorageNodeConfig
 from kvstore.blockstore.node import StorageNode
-from kvstore.blockstore.shardfile import payload_hash
 from kvstore.ec import Codec
 from kvstore.errors import ConfigError
 from kvstore.gpu.staging import StagingArea
@@ -39,7 +39,7 @@ def _key(i: int) -> bytes:
 def _put(node: StorageNode, i: int, token: int = TOKEN) -> list[bool]:
     payload = np.random.default_rng(i).integers(0, 256, 3000, dtype=np.uint8)
     shard = CODEC.encode(payload, _key(i))[0]
-    return node.put(token, [_key(i)], [shard], [payload_hash(payload)], [0], [1.0])
+    return node.put(token, [_key(i)], [shard], [0], [1.0])
 
 
 def _modes(top: Path) -> dict[str, int]:
@@ -81,12 +81,10 @@ def test_node_dirs_are_0700_and_its_files_0600_under_umask_022(
     node = StorageNode(0, root / "node-0", StorageNodeConfig(fsync="always"))
     assert _put(node, 1) == [True] and node.commit(TOKEN, [_key(1)]) == [True]
     assert _put(node, 2) == [True]  # stays pending
-    node.snapshot()
     modes = _modes(root / "node-0")
-    for name in ("shards", "pending", "NODE", "LIVE", "manifest.arrow"):
-        assert name in modes or name == "quarantine", sorted(modes)
-    assert any(name.startswith("shards/") for name in modes)
-    assert any(name.startswith("pending/") for name in modes)
+    for name in ("segments", "NODE", "LOCK"):
+        assert name in modes, sorted(modes)
+    assert any(name.startswith("segments/") for name in modes)
     for name, mode in modes.items():
         is_dir = (root / "node-0" / name).is_dir()
         assert mode == (0o700 if is_dir else 0o600), f"{name}: {mode:o}"
@@ -114,17 +112,15 @@ def test_staging_area_in_dev_shm_stays_0600_and_exclusive(umask_022: None) -> No
 
 def test_an_old_0755_node_dir_of_ours_is_tightened_to_0700(tmp_path: Path) -> None:
     node_dir = tmp_path / "node-0"
-    for directory in (node_dir, node_dir / "shards", node_dir / "pending"):
+    for directory in (node_dir, node_dir / "segments"):
         directory.mkdir()
         directory.chmod(0o755)  # what earlier versions left behind
     StorageNode(0, node_dir)
     assert {name: mode for name, mode in _modes(node_dir).items() if "/" not in name} == {
         ".": 0o700,
-        "shards": 0o700,
-        "pending": 0o700,
-        "quarantine": 0o700,
+        "segments": 0o700,
         "NODE": 0o600,
-        "LIVE": 0o600,
+        "LOCK": 0o600,
     }
 
 
@@ -194,33 +190,32 @@ def test_a_symlinked_data_root_or_node_dir_is_refused(tmp_path: Path, which: str
 # --- planted temp names ----------------------------------------------------------------------
 
 
-#: Every temp name a node writes through, and whether it is used at start-up or while serving
+#: Every name a node creates a file at, and whether it does so at start-up or while serving
 #: (a link planted before the start in a dir the node accepts, or later by whoever can write
-#: there: either way the node must not write through it).
-TEMP_NAMES = [
-    ("LIVE.tmp", "start"),
+#: there: either way the node must not write through it). Segments roll at every batch here.
+PLANTED_NAMES = [
     ("NODE.tmp", "start"),
-    ("manifest.arrow.tmp", "serving"),
-    (f"pending/{_key(1).hex()}.{TOKEN:016x}", "serving"),
+    ("LOCK", "start"),
+    ("segments/0000000000000001.seg", "start"),
+    ("segments/0000000000000002.seg", "serving"),
 ]
 
 
-@pytest.mark.parametrize(("name", "when"), TEMP_NAMES)
-def test_a_symlink_planted_at_a_temp_name_is_never_followed(
+@pytest.mark.parametrize(("name", "when"), PLANTED_NAMES)
+def test_a_symlink_planted_where_a_node_creates_a_file_is_never_followed(
     tmp_path: Path, secret: Path, name: str, when: str
 ) -> None:
     node_dir = tmp_path / "node-0"
-    (node_dir / "pending").mkdir(parents=True, mode=0o700)
+    (node_dir / "segments").mkdir(parents=True, mode=0o700)
     node_dir.chmod(0o700)
     before = secret.stat()
     if when == "start":
         os.symlink(secret, node_dir / name)
-    node = StorageNode(0, node_dir, StorageNodeConfig(fsync="always"))
+    node = StorageNode(0, node_dir, StorageNodeConfig(fsync="always", segment_bytes=1))
     if when == "serving":
         os.symlink(secret, node_dir / name)
     assert _put(node, 1) == [True]  # the node still works: a fresh file, not the link
     assert node.commit(TOKEN, [_key(1)]) == [True]
-    assert node.snapshot() == 1
     after = secret.stat()
     assert secret.read_bytes() == b"root only\n"
     assert (after.st_ino, after.st_mode, after.st_uid, after.st_mtime_ns) == (
@@ -230,4 +225,5 @@ def test_a_symlink_planted_at_a_temp_name_is_never_followed(
         before.st_mtime_ns,
     )
     assert not (node_dir / name).is_symlink()
+    node.close()
     assert StorageNode(0, node_dir).holds([_key(1)]) == [True]

@@ -1,16 +1,23 @@
 """In-process block tier for unit tests: plain storage nodes and meta shards in ``tmp_path``,
-wired by ``LocalFanout`` (switches to make a target dead or hung), on a manual clock."""
+wired by ``LocalFanout`` (switches to make a target dead or hung, and ``tamper`` to make a
+node answer damaged shards), on a manual clock."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from kvstore.blockstore.client import BlockStoreClient
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
 from kvstore.blockstore.fanout import META, NODE, LocalFanout
 from kvstore.blockstore.meta import MetaShard
-from kvstore.blockstore.node import StorageNode
+from kvstore.blockstore.node import StorageNode, split_shards
 from kvstore.clock import ManualClock
+
+#: What a tampered node answers for a key instead of its shard (None: absent).
+Tamper = Callable[[np.ndarray], np.ndarray | None]
 
 
 class Tier:
@@ -22,9 +29,6 @@ class Tier:
             "node": StorageNodeConfig(fsync="never"),
             "hedge_after_s": 0.02,
             "call_timeout_s": 0.3,
-            # Dead and hung nodes here are fanout switches that a direct disk read would not
-            # see; the short-circuit path has its own tests (``test_blockstore_localread.py``).
-            "local_reads": False,
         }
         settings.update(overrides)
         self.config = BlockStoreConfig(**settings)  # type: ignore[arg-type]
@@ -48,3 +52,34 @@ class Tier:
         self.metas[shard] = meta
         self.fanout.targets[(META, shard)] = meta
         return meta
+
+    def tamper(self, node_id: int, key: bytes, change: Tamper) -> None:
+        """From now on node ``node_id`` answers ``change(shard)`` for ``key``'s shard: what
+        damage its own checks missed (bit rot between scrubs, a stray old write) looks like to
+        its readers. The node itself (``self.nodes``) is left as it is."""
+        target = (NODE, node_id)
+        served = self.fanout.targets[target]
+        if not isinstance(served, _Tampered):
+            served = self.fanout.targets[target] = _Tampered(self.nodes[node_id])
+        served.changes[bytes(key)] = change
+
+
+class _Tampered:
+    """A storage node whose ``get`` answers changed shards for some keys."""
+
+    def __init__(self, node: StorageNode) -> None:
+        self.node = node
+        self.changes: dict[bytes, Tamper] = {}
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.node, name)
+
+    def get(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        shards = split_shards(self.node.get(keys))
+        answer = []
+        for key, shard in zip(keys, shards, strict=True):
+            change = self.changes.get(bytes(key))
+            answer.append(shard if change is None or shard is None else change(shard.copy()))
+        lengths = np.array([-1 if s is None else s.size for s in answer], dtype=np.int64)
+        present = [s for s in answer if s is not None]
+        return (np.concatenate(present) if present else np.zeros(0, np.uint8)), lengths

@@ -14,7 +14,6 @@ from blockstore_tier import Tier
 from kvstore.blockstore.fanout import META, NODE
 from kvstore.blockstore.placement import place
 from kvstore.blockstore.records import Lease
-from kvstore.blockstore.shardfile import payload_hash
 from kvstore.ec import Codec
 from kvstore.errors import ConfigError, InvalidArgument
 
@@ -34,6 +33,11 @@ def tier(tmp_path: Path) -> Tier:
 
 def _same(got: np.ndarray | None, want: np.ndarray) -> bool:
     return got is not None and got.tobytes() == want.tobytes()
+
+
+def _flip_last_byte(shard: np.ndarray) -> np.ndarray:
+    shard[-1] ^= 0x55
+    return shard
 
 
 def test_put_lookup_get_round_trip_is_bit_exact(tier: Tier) -> None:
@@ -236,7 +240,7 @@ def _die_before_commit(tier: Tier, key: bytes, payload: np.ndarray) -> None:
     placement = place([key], range(len(tier.nodes)), 12)[0]
     for index, node in enumerate(placement):
         assert tier.nodes[int(node)].put(
-            token, [key], [stripe[index]], [payload_hash(payload)], [0], [tier.clock.now()]
+            token, [key], [stripe[index]], [0], [tier.clock.now()]
         ) == [True]
 
 
@@ -279,27 +283,56 @@ def test_corrupt_and_foreign_shards_are_never_decoded_into_wrong_bytes(tier: Tie
     payloads = [_payload(i) for i in range(6)]
     tier.client.put_blocks(keys, payloads)
     placement = tier.client.lookup(keys).lease.blocks[0].placement  # type: ignore[union-attr]
-    # flip a byte of shard 0 on disk (and drop the node's cache)
-    node = tier.nodes[placement[0]]
-    path = tier.root / f"node-{placement[0]}" / "shards" / keys[0].hex()
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0x55
-    path.write_bytes(bytes(data))
-    node._cache.clear()
+    # a flipped byte in the fragment of shard 0 that its node did not catch (bit rot)
+    tier.tamper(int(placement[0]), keys[0], _flip_last_byte)
     # replace shard 1 with a *valid* shard of a different payload of the same key and size,
     # as an old write of the key that raced a re-put would leave it
     other = Codec().encode(_payload(1000), keys[0])
     second = tier.nodes[placement[1]]
     token = 77
-    second.put(token, [keys[0]], [other[1]], [payload_hash(_payload(1000))], [0], [0.0])
+    second.put(token, [keys[0]], [other[1]], [0], [0.0])
     second.commit(token, [keys[0]])
     got = tier.client.get_blocks([keys[0]])[0]
     assert _same(got, payloads[0])
     # two more foreign shards: 8 shards of the real payload remain -> a miss, not garbage
     for index in (2, 3):
         n = tier.nodes[placement[index]]
-        n.put(token, [keys[0]], [other[index]], [payload_hash(_payload(1000))], [0], [0.0])
+        n.put(token, [keys[0]], [other[index]], [0], [0.0])
         n.commit(token, [keys[0]])
     assert tier.client.get_blocks([keys[0]]) == [None]
     rest = tier.client.get_blocks(keys[1:])
     assert all(_same(g, p) for g, p in zip(rest, payloads[1:], strict=True))
+
+
+def test_a_shard_with_a_damaged_header_is_left_out_and_counted(tier: Tier) -> None:
+    keys = [_key(i) for i in range(3)]
+    payloads = [_payload(i) for i in range(3)]
+    tier.client.put_blocks(keys, payloads)
+    blocks = tier.client.lookup(keys).lease.blocks  # type: ignore[union-attr]
+    # data shards, so the reader needs them (or parity in their place)
+    tier.tamper(blocks[0].placement[4], keys[0], lambda shard: shard[:10])  # shorter than a header
+    tier.tamper(blocks[1].placement[5], keys[1], lambda shard: np.zeros_like(shard))  # no magic
+    got = tier.client.get_blocks(keys)
+    assert all(_same(g, p) for g, p in zip(got, payloads, strict=True))  # parity stood in
+    assert tier.client.counters["corrupt_shards"] >= 2
+
+
+def test_a_rewritten_block_reads_as_the_new_write_never_a_mix(tier: Tier) -> None:
+    key = _key(1)
+    old, new = _payload(1), _payload(2)
+    tier.client.put_blocks([key], [old])
+    placement = tier.client.lookup([key]).lease.blocks[0].placement  # type: ignore[union-attr]
+    shards = Codec().encode(new, key)
+    # A re-put commits the new write's shards over the old ones node by node: readers in
+    # between see whole shards of one write or the other, and only ever a block of one write.
+    for done, (index, node_id) in enumerate(zip(range(12), placement, strict=True), start=1):
+        node = tier.nodes[int(node_id)]
+        assert node.put(9, [key], [shards[index]], [0], [2.0]) == [True]
+        assert node.commit(9, [key]) == [True]
+        block = tier.client.get_blocks([key])[0]
+        if done <= 2:
+            assert _same(block, old)  # 10 or 11 old shards still decode the old write
+        elif done >= 10:
+            assert _same(block, new)
+        else:
+            assert block is None  # neither write has k shards: a miss, never the mix

@@ -1,12 +1,11 @@
-"""Block tier configuration and the shard file's node header."""
+"""Block tier configuration."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
-from kvstore.blockstore.shardfile import NodeHeader, parse_node_header, payload_hash
-from kvstore.errors import ConfigError, CorruptShard
+from kvstore.errors import ConfigError
 
 
 def test_defaults_follow_the_spec() -> None:
@@ -67,16 +66,3 @@ def test_from_env_and_from_mapping() -> None:
     assert mapped.meta_shards == 2 and mapped.node.fsync == "always"
     with pytest.raises(ConfigError, match="bogus"):
         BlockStoreConfig.from_mapping({"bogus": 1})
-
-
-def test_node_header_round_trips_and_detects_damage() -> None:
-    digest = payload_hash(b"block bytes")
-    packed = NodeHeader(2, 1234.5, digest, 2**64 - 1).pack()
-    assert len(packed) == 48
-    assert parse_node_header(packed + b"shard") == NodeHeader(2, 1234.5, digest, 2**64 - 1)
-    damaged = bytearray(packed)
-    damaged[9] ^= 1
-    with pytest.raises(CorruptShard, match="checksum"):
-        parse_node_header(bytes(damaged))
-    with pytest.raises(CorruptShard):
-        parse_node_header(b"KVSN")

@@ -11,6 +11,7 @@ from blockstore_tier import Tier
 from kvstore.blockstore.fanout import META, NODE
 from kvstore.blockstore.repair import HealthTracker, Repairer, RepairLoop
 from kvstore.clock import ManualClock
+from kvstore.ec import Codec
 
 
 def _key(i: int) -> bytes:
@@ -110,6 +111,22 @@ def test_a_failing_tick_is_survived(tmp_path: Path) -> None:
     assert loop.tick() == {}
 
 
+def _rot(node_dir: Path, shard: np.ndarray) -> None:
+    """Flip a bit of ``shard`` where its node stored it, in place (bit rot): wherever in the
+    node's files its bytes are, whatever the layout."""
+    needle = shard.tobytes()
+    for path in sorted(p for p in node_dir.rglob("*") if p.is_file()):
+        at = path.read_bytes().find(needle)
+        if at >= 0:
+            with open(path, "r+b") as handle:
+                handle.seek(at + 200)
+                byte = handle.read(1)[0]
+                handle.seek(at + 200)
+                handle.write(bytes([byte ^ 0x01]))
+            return
+    raise AssertionError(f"no file under {node_dir} holds the shard")
+
+
 def test_a_scrubbed_corrupt_shard_is_recreated(tmp_path: Path) -> None:
     tier = Tier(tmp_path, nodes=12)
     keys = [_key(i) for i in range(6)]
@@ -117,11 +134,7 @@ def test_a_scrubbed_corrupt_shard_is_recreated(tmp_path: Path) -> None:
     assert tier.client.put_blocks(keys, payloads).ok
     placement = _placements(tier, [keys[0]])[0]
     victim = int(placement[0])
-    path = tmp_path / f"node-{victim}" / "shards" / keys[0].hex()
-    data = bytearray(path.read_bytes())
-    data[200] ^= 0x01
-    path.write_bytes(bytes(data))
-    tier.nodes[victim]._cache.clear()
+    _rot(tmp_path / f"node-{victim}", Codec().encode(payloads[0], keys[0])[0])
     health = HealthTracker(dead_after_s=5, clock=tier.clock)
     loop = RepairLoop(Repairer(tier.config, tier.fanout), health, scrub_every=1, scrub_limit=100)
     step = loop.tick()

@@ -86,7 +86,8 @@ class Tier:
         return found
 
     def used(self) -> int:
-        return sum(node.usage()["bytes_used"] for node in self.nodes)
+        """What the GC counts: the live bytes of the nodes' logs."""
+        return sum(node.usage()["live_bytes"] for node in self.nodes)
 
     def capacity(self) -> int:
         return sum(node.usage()["capacity_bytes"] for node in self.nodes)
@@ -115,7 +116,7 @@ def make_tier(root: Path, capacity_per_node: int = 64 * 2**20, node_class=Storag
         storage_nodes=12,
         lease_seconds=60.0,
         orphan_grace_s=60.0,
-        node=StorageNodeConfig(fsync="never", read_cache_bytes=0, capacity_bytes=capacity_per_node),
+        node=StorageNodeConfig(fsync="never", capacity_bytes=capacity_per_node),
     )
     nodes = [node_class(i, root / f"node{i}", config.node, clock) for i in range(12)]
     metas = [MetaShard(s, config, clock) for s in range(2)]
@@ -209,10 +210,10 @@ def test_leased_block_survives_expiry_until_its_lease_ends(tier: Tier) -> None:
 
 
 def per_node_block_bytes(root: Path) -> int:
-    """Bytes one block puts on each node (one shard file: header + shard)."""
+    """Live bytes one block puts on each node (one shard record: header + shard)."""
     probe = make_tier(root)
     probe.put([10**6])
-    used = [node.usage()["bytes_used"] for node in probe.nodes]
+    used = [node.usage()["live_bytes"] for node in probe.nodes]
     assert len(set(used)) == 1
     return used[0]
 

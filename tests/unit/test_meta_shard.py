@@ -129,7 +129,7 @@ def _manifest(
     keys: list[bytes],
     index_of: dict[bytes, int],
     stamp: float = 0.0,
-    digest: bytes = b"h" * 16,
+    digest: bytes = b"h" * 8,
     created: float = 999_000.0,
 ) -> pa.Table:
     return pa.table(
@@ -141,7 +141,7 @@ def _manifest(
             "created": pa.array([created] * len(keys), pa.float64()),
             "file_bytes": pa.array([600] * len(keys), pa.int64()),
             "stamp": pa.array([stamp] * len(keys), pa.float64()),
-            "payload_hash": pa.array([digest] * len(keys), pa.binary(16)),
+            "payload_hash": pa.array([digest] * len(keys), pa.binary(8)),
         },
         schema=MANIFEST_SCHEMA,
     )
@@ -173,7 +173,7 @@ def test_rebuild_prefers_the_newer_copy_and_the_write_with_most_shards() -> None
     # shard 11 was repaired onto node 13 later; node 11 came back with its stale copy
     meta.absorb_manifest(13, _manifest([key], {key: 11}, stamp=50.0))
     # an older write of the same key left 3 shards on other nodes
-    old = b"o" * 16
+    old = b"o" * 8
     meta.absorb_manifest(12, _manifest([key], {key: 0}, digest=old, created=5.0))
     assert meta.finish_rebuild() == 1
     assert meta.locate([key]).placements[0].tolist() == list(range(11)) + [13]

@@ -32,7 +32,6 @@ def test_the_environment_fills_every_part_and_given_values_win(tmp_path: Path) -
         "KVSTORE_BLOCKSTORE_CALL_TIMEOUT_S": "4.5",
         "KVSTORE_BLOCKSTORE_STORAGE_NODES": "14",
         "KVSTORE_BLOCKSTORE_NODE_FSYNC": "always",
-        "KVSTORE_BLOCKSTORE_LOCAL_READS": "no",
         "KVSTORE_SWA_TTL_S": "120",
         "KVSTORE_SWA_NUM_ENTRYPOINTS": "auto",
         "KVSTORE_PRESET": "V4-Pro",
@@ -41,7 +40,6 @@ def test_the_environment_fills_every_part_and_given_values_win(tmp_path: Path) -
     config = ServiceConfig.from_env(env, data_root=tmp_path, storage_nodes=16, deployment=None)
     block = config.blockstore
     assert block.call_timeout_s == 4.5 and block.node.fsync == "always"
-    assert block.local_reads is False
     assert block.storage_nodes == 16  # given: wins over the environment's 14
     assert block.deployment == "kvstore"  # None means "not given"
     assert config.swa.ttl_s == 120 and config.swa.num_entrypoints is None

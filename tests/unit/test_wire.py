@@ -149,7 +149,7 @@ class Mutable:
         {"a": 1},  # no call sends a dict
         {"a", "set"},
         bytearray(b"x"),
-        1 << 63,
+        1 << 64,
         -(1 << 63) - 1,
         np.zeros(3, dtype=np.complex64),
         np.array(["a"], dtype=object),

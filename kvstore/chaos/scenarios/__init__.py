@@ -12,6 +12,7 @@ from kvstore.chaos.catalog import CATALOG
 from kvstore.chaos.scenarios.base import Scenario, run_scenario
 from kvstore.chaos.scenarios.disk import corrupt
 from kvstore.chaos.scenarios.gc_race import gc_lease
+from kvstore.chaos.scenarios.log import compaction_race, restart_200k, segment_corrupt, torn_tail
 from kvstore.chaos.scenarios.meta import meta_loss
 from kvstore.chaos.scenarios.nodes import kill_three, kill_two, permanent_loss, restart
 from kvstore.chaos.scenarios.slow import slow_node
@@ -32,6 +33,10 @@ _FUNCTIONS: dict[str, Callable[[ChaosTier], ScenarioResult]] = {
     "writer": writer_killed,
     "gc-lease": gc_lease,
     "slow-node": slow_node,
+    "torn-tail": torn_tail,
+    "segment-corrupt": segment_corrupt,
+    "compaction-race": compaction_race,
+    "restart-200k": restart_200k,
 }
 
 SCENARIOS: tuple[Scenario, ...] = tuple(

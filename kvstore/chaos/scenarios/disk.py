@@ -1,9 +1,10 @@
-"""Scenario 5, ``corrupt``: shard files damaged on disk — bit flips, truncation, deletion, a
-broken header — one or two per block (within the promise) and three on a few blocks (beyond it).
+"""Scenario 5, ``corrupt``: shard records damaged in the nodes' segment files — bit flips, a torn
+write, a zeroed record, a broken record header — one or two per block (within the promise) and
+three on a few blocks (beyond it).
 
 Readers must get every block within the promise bit-exact (the damaged shard fails its checksum
 and is treated as missing), and the blocks beyond it as misses, never wrong bytes. Then a scrub
-pass (what the repair loop runs periodically; run here at once) finds the damaged files, and the
+pass (what the repair loop runs periodically; run here at once) finds the damaged records, and the
 repair loop rebuilds them until every block within the promise is whole again.
 """
 
@@ -13,7 +14,7 @@ import random
 import time
 
 from kvstore.blockstore.repair import Repairer
-from kvstore.chaos.faults import corrupt_shard, shard_file
+from kvstore.chaos.faults import corrupt_shard, shard_location
 from kvstore.chaos.scenarios.base import seconds_or_violation
 from kvstore.chaos.table import ScenarioResult
 from kvstore.chaos.tier import ChaosTier, wait_until
@@ -25,12 +26,12 @@ REBUILD_TIMEOUT_S = 60.0
 #: (damage per shard, blocks): the first groups stay within the promise (<= 2 shards a block).
 _PLAN: tuple[tuple[tuple[str, ...], int], ...] = (
     (("flip",), 3),
-    (("truncate",), 3),
-    (("delete",), 3),
+    (("torn",), 3),
+    (("erase",), 3),
     (("header",), 2),
-    (("flip", "delete"), 2),
-    (("truncate", "header"), 2),
-    (("flip", "truncate", "delete"), 2),  # beyond the promise: must become a miss
+    (("flip", "erase"), 2),
+    (("torn", "header"), 2),
+    (("flip", "torn", "erase"), 2),  # beyond the promise: must become a miss
 )
 
 
@@ -46,7 +47,7 @@ def scrub_now(tier: ChaosTier) -> int:
 
 
 def corrupt(tier: ChaosTier) -> ScenarioResult:
-    result = ScenarioResult("corrupt", "flip, truncate, delete shard files on disk")
+    result = ScenarioResult("corrupt", "flip, tear, erase shard records on disk")
     config = tier.config
     k = tier.blockstore_config.data_shards
     rng = random.Random(config.seed + 5)
@@ -63,7 +64,7 @@ def corrupt(tier: ChaosTier) -> ScenarioResult:
             # Data shards first: the readers' fast path (concatenating data shards) must notice.
             indices = rng.sample(range(k), len(damages))
             for index, how in zip(indices, damages, strict=True):
-                corrupt_shard(shard_file(tier, placement[index], key), how, rng)
+                corrupt_shard(shard_location(tier, placement[index], key), how, rng)
                 damaged += 1
             (within if len(damages) <= tier.blockstore_config.parity_shards else beyond).append(key)
         position += blocks

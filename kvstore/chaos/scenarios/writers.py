@@ -140,10 +140,12 @@ def writer_killed(tier: ChaosTier) -> ScenarioResult:
     census = tier.shard_census()
     own = tier.shard_census(attempted)
     expected_shards = sum(sum(1 for n in p if n >= 0) for p in tier.placements().values())
+    # Reclaimed shards are dead bytes in the nodes' logs at once (``live_bytes`` drops), and
+    # compaction hands the disk space back as their segments empty.
     result.details["space"] = {
-        "bytes_before": usage_before["bytes_used"],
-        "bytes_after_kills": usage_killed["bytes_used"],
-        "bytes_after_reclaim": usage_after["bytes_used"],
+        "bytes_before": usage_before["live_bytes"],
+        "bytes_after_kills": usage_killed["live_bytes"],
+        "bytes_after_reclaim": usage_after["live_bytes"],
         "pending_reclaimed": sum(r["pending_reclaimed"] for r in reclaimed),
         "unindexed_reclaimed": sum(r["committed_reclaimed"] for r in reclaimed),
         "skipped": sum(r.get("skipped", 0) for r in reclaimed),

@@ -1,0 +1,456 @@
+"""The on-disk log of a storage node: segment files of records, and the one module that owns
+their layout.
+
+Why a log (issue 17): a node kept each shard in its own ~11 KiB file, written under
+``pending/`` and renamed into ``shards/`` (12 files per block: a node holding 2 TB would hold
+~180 million files), and a batch of 64 shards cost 64 creates, 64 renames and a ``syncfs``. Here
+a batch is one ``writev`` at the end of the node's current segment and at most one
+``fdatasync``; a segment is sealed at ``segment_bytes`` (64 MiB by default), so 100,000 shards
+make tens of files.
+
+Segment file ``segments/<seq:016x>.seg``::
+
+    segment header (64 B)   magic b"KVSEGv01", seq u64, first LSN u64, created f64,
+                            zero padding, xxh3-64 of bytes [0, 56)
+    record, record, ...     appended; nothing is ever rewritten in place
+    footer (sealed only)    one ENTRY (120 B) per record, then a 32-byte trailer:
+                            magic b"KVFOOTv1", entries u64, footer offset u64, xxh3-64 of the
+                            entries; a segment without a valid trailer is the open one (or was,
+                            when its node died) and is scanned record by record
+
+Record = a 96-byte header, then ``body_len`` bytes (a codec shard for ``SHARD``, none for the
+others)::
+
+    offset size field
+         0    4 magic          b"KVRC"
+         4    1 kind           1 SHARD, 2 COMMIT, 3 DELETE
+         5    1 class id       traffic class of the block (SHARD)
+         6    1 flags          bit 0: committed (a compaction copy of a committed shard)
+         7    1 shard index    stripe position (SHARD)
+         8    8 lsn            log sequence number: the identity of this record's event
+        16    8 token          the put that wrote the shard (SHARD, COMMIT)
+        24    8 created        f64, the block's creation time (writer's clock)
+        32    8 stamp          f64, when this node received the shard
+        40    4 body_len       u32
+        44    4 reserved       zero
+        48    8 target lsn     COMMIT / DELETE: the lsn of the SHARD record they act on
+        56   32 key            the block key
+        88    8 checksum       xxh3-64 of bytes [0, 88)
+
+One shard format: the body is the codec shard (``kvstore.ec.shard``) byte for byte, with its
+own header, checksum and the tier's one payload hash; a record header only frames it in the log
+and carries what a node needs to rebuild its index (stripe position, class, times, writer). No
+second payload hash exists.
+
+Record identity and order: every record gets the next LSN of its node. A compaction copy keeps
+the LSN of the record it copies (an LSN names an event, not a place), so a node that restarts
+replays every record it finds in LSN order (ties: the newer segment last) and reaches the state
+it had, whatever compaction moved where (``kvstore.blockstore.node`` owns that replay).
+
+Torn and corrupt records: a record whose header checksum fails ends the valid prefix of an open
+segment's scan; the scan then looks for the next valid header (a corrupt span in the middle
+loses only what it covers) and the file is cut back to the end of the last valid record, so new
+appends never sit behind garbage. A body that fails its codec checksum is reported as corrupt and
+never indexed. In a sealed segment the footer lists the records; their bodies are verified when
+read (by the reader, end to end) and by scrub.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvstore.ec.shard import HEADER_BYTES as SHARD_HEADER_BYTES
+from kvstore.ec.shard import PAYLOAD_HASH
+from kvstore.errors import CorruptShard
+from kvstore.privatefs import PrivateDir
+
+log = logging.getLogger(__name__)
+
+SHARD, COMMIT, DELETE = 1, 2, 3
+KINDS = (SHARD, COMMIT, DELETE)
+FLAG_COMMITTED = 1
+
+SEGMENT_MAGIC = b"KVSEGv01"
+SEGMENT_HEADER = struct.Struct("<8sQQd24s8s")
+SEGMENT_HEADER_BYTES = SEGMENT_HEADER.size
+assert SEGMENT_HEADER_BYTES == 64
+RECORD_MAGIC = b"KVRC"
+RECORD = struct.Struct("<4sBBBBQQddII Q32s8s")
+RECORD_BYTES = RECORD.size
+assert RECORD_BYTES == 96
+_COVERED = 88
+TRAILER_MAGIC = b"KVFOOTv1"
+TRAILER = struct.Struct("<8sQQ8s")
+TRAILER_BYTES = TRAILER.size
+
+#: A record header as a numpy row (the same 96 bytes as ``RECORD``).
+RECORD_DTYPE = np.dtype(
+    [
+        ("magic", "V4"),
+        ("kind", "u1"),
+        ("class_id", "u1"),
+        ("flags", "u1"),
+        ("index", "u1"),
+        ("lsn", "<u8"),
+        ("token", "<u8"),
+        ("created", "<f8"),
+        ("stamp", "<f8"),
+        ("body_len", "<u4"),
+        ("reserved", "<u4"),
+        ("target_lsn", "<u8"),
+        ("key", "V32"),
+        ("checksum", "V8"),
+    ]
+)
+assert RECORD_DTYPE.itemsize == RECORD_BYTES
+#: One record as a footer lists it (and as a scan finds it): where it starts, its header, and
+#: from a SHARD body the two codec fields an index needs (payload length and hash).
+ENTRY_DTYPE = np.dtype(
+    [("offset", "<u8"), ("record", RECORD_DTYPE), ("payload_len", "<u8"), ("payload_hash", "V8")]
+)
+assert ENTRY_DTYPE.itemsize == 120
+_PAYLOAD_LEN = slice(16, 24)  # in a codec shard's header
+assert PAYLOAD_HASH.start == _PAYLOAD_LEN.stop
+#: Where a SHARD record's payload length and hash sit, from the record's start.
+_FIELDS = slice(RECORD_BYTES + _PAYLOAD_LEN.start, RECORD_BYTES + PAYLOAD_HASH.stop)
+
+
+def segment_name(seq: int) -> str:
+    return f"{seq:016x}.seg"
+
+
+def seq_of(name: str) -> int | None:
+    stem, dot, ext = name.partition(".")
+    if ext != "seg" or not dot or len(stem) != 16:
+        return None
+    try:
+        return int(stem, 16)
+    except ValueError:
+        return None
+
+
+def record_header(
+    kind: int,
+    lsn: int,
+    key: bytes,
+    *,
+    token: int = 0,
+    class_id: int = 0,
+    index: int = 0,
+    flags: int = 0,
+    created: float = 0.0,
+    stamp: float = 0.0,
+    body_len: int = 0,
+    target_lsn: int = 0,
+) -> bytes:
+    head = RECORD.pack(
+        RECORD_MAGIC,
+        kind,
+        class_id,
+        flags,
+        index,
+        lsn,
+        token,
+        created,
+        stamp,
+        body_len,
+        0,
+        target_lsn,
+        key,
+        bytes(8),
+    )
+    return head[:_COVERED] + xxhash.xxh3_64_digest(head[:_COVERED])
+
+
+def record_headers(
+    kind: int,
+    first_lsn: int,
+    keys: Sequence[bytes],
+    **fields: Sequence[float] | np.ndarray | float,
+) -> bytearray:
+    """The headers of ``len(keys)`` records of one kind with LSNs from ``first_lsn`` on, end to
+    end (96 bytes each, checksums filled in): a batch built at once rather than record by record.
+    ``fields``: any of the record's numeric fields (``token``, ``class_id``, ``flags``,
+    ``index``, ``created``, ``stamp``, ``body_len``, ``target_lsn``), per record or one value."""
+    count = len(keys)
+    heads = np.zeros(count, RECORD_DTYPE)
+    heads["magic"] = np.frombuffer(RECORD_MAGIC, "V4")[0]
+    heads["kind"] = kind
+    heads["lsn"] = np.arange(first_lsn, first_lsn + count, dtype=np.uint64)
+    heads["key"] = np.frombuffer(b"".join(keys), "V32")
+    for name, values in fields.items():
+        heads[name] = values
+    raw = bytearray(heads.tobytes())
+    view = memoryview(raw)
+    digest = xxhash.xxh3_64_digest
+    for at in range(0, len(raw), RECORD_BYTES):
+        view[at + _COVERED : at + RECORD_BYTES] = digest(view[at : at + _COVERED])
+    return raw
+
+
+def entries_for(
+    offsets: Sequence[int], heads: bytes | bytearray, bodies: Sequence[object]
+) -> bytes:
+    """The footer entries of records written at ``offsets`` with headers ``heads`` (as
+    ``record_headers`` made them) and bodies ``bodies`` (codec shards, or empty for marks)."""
+    entries = np.zeros(len(offsets), ENTRY_DTYPE)
+    entries["offset"] = offsets
+    entries["record"] = np.frombuffer(heads, RECORD_DTYPE)
+    fields = [bytes(memoryview(b)[_PAYLOAD_LEN.start : PAYLOAD_HASH.stop]) for b in bodies]  # type: ignore[arg-type]
+    if fields and all(len(f) == 16 for f in fields):
+        found = np.frombuffer(b"".join(fields), np.dtype([("len", "<u8"), ("hash", "V8")]))
+        entries["payload_len"] = found["len"]
+        entries["payload_hash"] = found["hash"]
+    return entries.tobytes()
+
+
+def header_ok(head: bytes | memoryview) -> bool:
+    """Whether ``head`` (96 bytes) is a record header with a good checksum and kind."""
+    return (
+        len(head) == RECORD_BYTES
+        and bytes(head[:4]) == RECORD_MAGIC
+        and head[4] in KINDS
+        and xxhash.xxh3_64_digest(head[:_COVERED]) == bytes(head[_COVERED:])
+    )
+
+
+def entry_of(offset: int, head: bytes | memoryview, body_head: bytes | memoryview) -> bytes:
+    """The footer entry of a record at ``offset``: its header and, for a shard, the payload
+    length and hash from the first bytes of its codec shard (``body_head``)."""
+    if len(body_head) >= SHARD_HEADER_BYTES:
+        tail = bytes(body_head[_PAYLOAD_LEN]) + bytes(body_head[PAYLOAD_HASH])
+    else:
+        tail = bytes(16)
+    return offset.to_bytes(8, "little") + bytes(head) + tail
+
+
+@dataclass
+class Scan:
+    """What reading one segment found."""
+
+    entries: np.ndarray  # ENTRY_DTYPE, in file order
+    #: Where the valid records end (appends continue here); the file's size when sealed.
+    end: int
+    sealed: bool
+    #: (offset, reason) of spans and bodies found damaged.
+    damaged: list[tuple[int, str]]
+
+
+class Segment:
+    """One segment file: a read descriptor always, a write descriptor while it is the open one."""
+
+    def __init__(self, seq: int, first_lsn: int, read_fd: int, size: int) -> None:
+        self.seq = seq
+        self.first_lsn = first_lsn
+        self.read_fd = read_fd
+        self.write_fd = -1
+        self.size = size
+        self.sealed = False
+        #: Entries of the records appended since it was opened (open segment), joined at seal.
+        self.pending_entries: list[bytes] = []
+        self.entries: np.ndarray = np.zeros(0, ENTRY_DTYPE)
+
+    @classmethod
+    def create(cls, directory: PrivateDir, seq: int, first_lsn: int, now: float) -> Segment:
+        name = segment_name(seq)
+        write_fd = directory.create(name)
+        head = SEGMENT_HEADER.pack(SEGMENT_MAGIC, seq, first_lsn, now, bytes(24), bytes(8))
+        head = head[:56] + xxhash.xxh3_64_digest(head[:56])
+        try:
+            _write_all_at(write_fd, [head], 0)
+            read_fd = directory.open_read(name)
+        except OSError:
+            os.close(write_fd)
+            directory.remove(name)
+            raise
+        segment = cls(seq, first_lsn, read_fd, SEGMENT_HEADER_BYTES)
+        segment.write_fd = write_fd
+        return segment
+
+    def all_entries(self) -> np.ndarray:
+        if self.pending_entries:
+            joined = np.frombuffer(b"".join(self.pending_entries), ENTRY_DTYPE)
+            self.entries = np.concatenate([self.entries, joined]) if self.entries.size else joined
+            self.pending_entries = []
+        return self.entries
+
+    def append(self, parts: Sequence[object], entries: list[bytes], sync: bool) -> None:
+        """Write ``parts`` (record headers and bodies) at the end; on any failure the file is cut
+        back to where it was, so a failed batch leaves no record behind."""
+        start = self.size
+        total = sum(memoryview(p).nbytes for p in parts)  # type: ignore[arg-type, misc]
+        try:
+            _write_all_at(self.write_fd, parts, start)
+            if sync:
+                os.fdatasync(self.write_fd)
+        except OSError:
+            try:
+                os.ftruncate(self.write_fd, start)
+            except OSError:
+                log.exception("segment %d: could not cut a failed append back", self.seq)
+            raise
+        self.size = start + total
+        self.pending_entries.extend(entries)
+
+    def seal(self, sync: bool) -> None:
+        """Write the footer and stop appending (the write descriptor is closed)."""
+        entries = self.all_entries()
+        body = entries.tobytes()
+        trailer = TRAILER.pack(TRAILER_MAGIC, len(entries), self.size, xxhash.xxh3_64_digest(body))
+        _write_all_at(self.write_fd, [body, trailer], self.size)
+        if sync:
+            os.fdatasync(self.write_fd)
+        os.close(self.write_fd)
+        self.write_fd = -1
+        self.size += len(body) + len(trailer)
+        self.sealed = True
+
+    def read(self, offset: int, length: int, into: memoryview) -> bool:
+        """Read ``length`` bytes at ``offset`` into ``into``; False when the file is short."""
+        got = os.preadv(self.read_fd, [into[:length]], offset)
+        return got == length
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.read_fd = self.write_fd = -1
+
+
+def open_segment(directory: PrivateDir, name: str) -> tuple[Segment, Scan] | None:
+    """Open an existing segment file and find its records (None: not a segment, logged)."""
+    seq = seq_of(name)
+    if seq is None:
+        return None
+    fd = directory.open_read(name)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, SEGMENT_HEADER_BYTES, 0)
+        if len(head) < SEGMENT_HEADER_BYTES:
+            raise CorruptShard("shorter than its header")
+        magic, stored_seq, first_lsn, _created, _pad, checksum = SEGMENT_HEADER.unpack(head)
+        if (
+            magic != SEGMENT_MAGIC
+            or stored_seq != seq
+            or checksum != xxhash.xxh3_64_digest(head[:56])
+        ):
+            raise CorruptShard("bad segment header")
+        scan = _read_footer(fd, size) or _scan(fd, size)
+    except (OSError, CorruptShard) as error:
+        os.close(fd)
+        log.warning("%s/%s is not a usable segment (%s); left alone", directory.path, name, error)
+        return None
+    segment = Segment(seq, first_lsn, fd, scan.end)
+    segment.entries = scan.entries
+    segment.sealed = scan.sealed
+    return segment, scan
+
+
+def _read_footer(fd: int, size: int) -> Scan | None:
+    if size < SEGMENT_HEADER_BYTES + TRAILER_BYTES:
+        return None
+    trailer = os.pread(fd, TRAILER_BYTES, size - TRAILER_BYTES)
+    magic, count, footer_at, checksum = TRAILER.unpack(trailer)
+    footer_bytes = count * ENTRY_DTYPE.itemsize
+    if magic != TRAILER_MAGIC or footer_at + footer_bytes + TRAILER_BYTES != size:
+        return None
+    body = os.pread(fd, footer_bytes, footer_at)
+    if len(body) != footer_bytes or xxhash.xxh3_64_digest(body) != checksum:
+        return None
+    return Scan(np.frombuffer(body, ENTRY_DTYPE).copy(), size, True, [])
+
+
+def _scan(fd: int, size: int) -> Scan:
+    """Every valid record of a segment without a footer (headers checked, see the module doc).
+
+    Bodies are not verified here: every reader checks what it decodes end to end and scrub
+    checks every shard in time, so a damaged body is an erasure, never wrong bytes. Verifying
+    them, and building entries one by one, made a restart of 200,000 shards take ~6 s.
+    """
+    damaged: list[tuple[int, str]] = []
+    offsets: list[int] = []
+    end = SEGMENT_HEADER_BYTES
+    raw = os.pread(fd, size, 0)  # the one unsealed segment, at most ~segment_bytes
+    data = memoryview(raw)
+    offset = SEGMENT_HEADER_BYTES
+    digest = xxhash.xxh3_64_digest
+    while offset + RECORD_BYTES <= len(raw):
+        covered = data[offset : offset + _COVERED]
+        if (
+            covered[:4] != RECORD_MAGIC
+            or covered[4] not in KINDS
+            or digest(covered) != raw[offset + _COVERED : offset + RECORD_BYTES]
+        ):
+            found = _resync(raw, offset + 1)
+            damaged.append((offset, "bad record header" if found else "torn tail"))
+            if found is None:
+                break
+            offset = found
+            continue
+        length = RECORD_BYTES + int.from_bytes(covered[40:44], "little")
+        if offset + length > len(raw):
+            damaged.append((offset, "torn tail (record runs past the end)"))
+            break
+        offsets.append(offset)
+        offset += length
+        end = offset
+    entries = _entries_at(raw, offsets)
+    return Scan(entries, end, False, damaged)
+
+
+def _entries_at(raw: bytes, offsets: list[int]) -> np.ndarray:
+    """The ENTRY rows of the records at ``offsets`` of ``raw`` (a whole segment)."""
+    entries = np.zeros(len(offsets), ENTRY_DTYPE)
+    if not offsets:
+        return entries
+    entries["offset"] = offsets
+    heads = b"".join([raw[at : at + RECORD_BYTES] for at in offsets])
+    entries["record"] = np.frombuffer(heads, RECORD_DTYPE)
+    records = entries["record"]
+    shard = (records["kind"] == SHARD) & (records["body_len"] >= SHARD_HEADER_BYTES)
+    fields = b"".join(
+        [raw[at + _FIELDS.start : at + _FIELDS.stop] for at in entries["offset"][shard].tolist()]
+    )
+    found = np.frombuffer(fields, np.dtype([("payload_len", "<u8"), ("payload_hash", "V8")]))
+    entries["payload_len"][shard] = found["payload_len"]
+    entries["payload_hash"][shard] = found["payload_hash"]
+    return entries
+
+
+def _resync(raw: bytes, start: int) -> int | None:
+    """The offset of the next valid record header at or after ``start``, or None."""
+    position = start
+    while True:
+        found = raw.find(RECORD_MAGIC, position)
+        if found < 0 or found + RECORD_BYTES > len(raw):
+            return None
+        if header_ok(raw[found : found + RECORD_BYTES]):
+            return found
+        position = found + 1
+
+
+def _write_all_at(fd: int, parts: Sequence[object], offset: int) -> None:
+    """``pwritev`` every part at ``offset`` (in chunks of at most 1,000 buffers: IOV_MAX)."""
+    views = [memoryview(p).cast("B") for p in parts]  # type: ignore[arg-type]
+    while views:
+        batch = views[:1000]
+        written = os.pwritev(fd, batch, offset)
+        offset += written
+        while batch and written >= len(batch[0]):
+            written -= len(batch.pop(0))
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+
+
+def segment_files(directory: PrivateDir) -> Iterator[str]:
+    for entry in directory.entries():
+        if seq_of(entry.name) is not None and entry.is_file(follow_symlinks=False):
+            yield entry.name
