@@ -454,3 +454,30 @@ def segment_files(directory: PrivateDir) -> Iterator[str]:
     for entry in directory.entries():
         if seq_of(entry.name) is not None and entry.is_file(follow_symlinks=False):
             yield entry.name
+
+
+def find_shard_records(node_dir: str | os.PathLike[str], key: bytes) -> list[tuple[str, int, int]]:
+    """The SHARD records of ``key`` in one node's segments, as (segment file, record offset,
+    record bytes): live or dead, read from the files alone (no lock, nothing written). For tools
+    and tests that look at a node's disk from outside its process; the node itself answers
+    ``StorageNode.locate`` from its index."""
+    directory = PrivateDir.open(os.path.join(node_dir, "segments"), "node_dir", check_parent=False)
+    found: list[tuple[str, int, int]] = []
+    try:
+        for name in sorted(segment_files(directory)):
+            opened = open_segment(directory, name)
+            if opened is None:
+                continue
+            segment, scan = opened
+            segment.close()
+            records = scan.entries["record"]
+            hits = (records["kind"] == SHARD) & (records["key"] == np.frombuffer(key, "V32")[0])
+            for offset, body_len in zip(
+                scan.entries["offset"][hits].tolist(),
+                records["body_len"][hits].tolist(),
+                strict=True,
+            ):
+                found.append((str(directory.path / name), offset, RECORD_BYTES + body_len))
+    finally:
+        directory.close()
+    return found

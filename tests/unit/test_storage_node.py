@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.blockstore.config import StorageNodeConfig
 from kvstore.blockstore.node import StorageNode, split_shards
-from kvstore.blockstore.segments import RECORD_BYTES, SEGMENT_HEADER_BYTES
+from kvstore.blockstore.segments import RECORD_BYTES, SEGMENT_HEADER_BYTES, find_shard_records
 from kvstore.clock import ManualClock
 from kvstore.ec import Codec
 from kvstore.ec.shard import parse_shard, payload_hash
@@ -389,3 +389,14 @@ def test_capacity_from_the_disk_keeps_the_reserve_free(tmp_path: Path) -> None:
     fixed = StorageNode(2, tmp_path / "c", StorageNodeConfig(capacity_bytes=10**15))
     assert fixed.usage()["capacity_bytes"] == 10**15
     assert fixed.usage()["capacity_from_disk"] == 0
+
+
+def test_shard_records_are_found_from_the_files_alone(tmp_path: Path) -> None:
+    node = StorageNode(0, tmp_path, SMALL)
+    _stored(node, [1, 2])
+    located = node.locate([_key(1)])
+    assert find_shard_records(tmp_path, _key(1)) == located  # while it serves: no lock taken
+    assert find_shard_records(tmp_path, _key(3)) == []
+    where = node.locate([_key(2)])
+    node.close()
+    assert find_shard_records(tmp_path, _key(2)) == where

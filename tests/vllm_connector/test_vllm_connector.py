@@ -31,6 +31,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (see .ci/run: its own 
 from vllm_harness import BLOCK_BYTES, child_env, run_engine  # noqa: E402
 
 from kvstore.api.client import KVStoreClient  # noqa: E402
+from kvstore.blockstore.segments import find_shard_records  # noqa: E402
 from kvstore.integrations.tiny_model import TinyLlama, build_tiny_llama  # noqa: E402
 from kvstore.keys import block_keys  # noqa: E402
 from kvstore.runtime.upprocess import TierProcess  # noqa: E402
@@ -97,11 +98,16 @@ def test_a_fresh_engine_takes_the_prefix_from_kvstore_and_computes_the_same(
     assert_same_outputs(b, baseline, "engine B")
 
 
-def shard_files(tier: TierProcess, key: bytes) -> list[Path]:
-    """The files of one block's 12 shards (the key as the default tenant's namespace stores it)."""
+def shard_records(tier: TierProcess, key: bytes) -> list[tuple[str, int, int]]:
+    """Where one block's 12 shards are in the nodes' segment files (the key as the default
+    tenant's namespace stores it): (file, record offset, record bytes) each."""
     secret = (tier.data_dir / "tenant.secret").read_bytes()
-    stored = namespaced_key(salts(secret, DEFAULT_TENANT)[0], key).hex()
-    return sorted(tier.data_dir.glob(f"node-*/shards/{stored}"))
+    stored = namespaced_key(salts(secret, DEFAULT_TENANT)[0], key)
+    return [
+        record
+        for node_dir in sorted(tier.data_dir.glob("node-*"))
+        for record in find_shard_records(node_dir, stored)
+    ]
 
 
 def test_a_misspelt_setting_stops_the_engine_at_start_and_names_the_key(
@@ -137,12 +143,14 @@ def test_blocks_corrupted_beyond_repair_are_recomputed_and_the_output_still_matc
     for prompt in prompts:
         full = (len(prompt) - 1) // 128
         for key in block_keys(bytes.fromhex(a["fingerprint"]), prompt[: full * 128]):
-            files = shard_files(running_tier, key)
-            assert len(files) == 12, f"block {key.hex()[:12]}: {len(files)} shard files"
-            for path in files[:3]:  # 3 of 12: more than the 2 that 10+2 survives
-                data = bytearray(path.read_bytes())
-                data[len(data) // 2] ^= 0xFF
-                path.write_bytes(bytes(data))
+            records = shard_records(running_tier, key)
+            assert len(records) == 12, f"block {key.hex()[:12]}: {len(records)} shard records"
+            for path, offset, size in records[:3]:  # 3 of 12: more than the 2 10+2 survives
+                with open(path, "r+b") as segment:  # in place, in the middle of the shard
+                    segment.seek(offset + size // 2)
+                    byte = segment.read(1)[0]
+                    segment.seek(offset + size // 2)
+                    segment.write(bytes([byte ^ 0xFF]))
             damaged += 1
     b = run_engine(tiny_model, prompts, connector_config(running_tier), tmp=tmp_path)
     assert_same_outputs(b, clean, "engine B after corruption")
