@@ -111,8 +111,8 @@ class BlockStoreConfig:
     #: Stripes re-encoded per repair step (bounds repair traffic).
     repair_batch: int = 32
     #: Seconds between background scrub passes (0 = never); each pass has every live node
-    #: verify up to ``scrub_limit`` shards, round robin, and a corrupt one is quarantined and
-    #: repaired.
+    #: verify up to ``scrub_limit`` shards, round robin, and a corrupt one is dropped from its
+    #: node's index and repaired.
     scrub_every_s: float = 60.0
     scrub_limit: int = 256
     #: Misses remembered with their reason per meta shard (evicted / expired), newest kept.

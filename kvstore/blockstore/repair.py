@@ -119,8 +119,8 @@ class Repairer:
         self._gather(tickets)
 
     def scrub(self, dead: set[int], limit: int) -> int:
-        """Have every live node verify up to ``limit`` shards; a corrupt shard (quarantined by
-        its node) is recorded lost in its meta shard, so ``step`` re-creates it. Returns the
+        """Have every live node verify up to ``limit`` shards; a corrupt shard (dropped from its
+        node's index) is recorded lost in its meta shard, so ``step`` re-creates it. Returns the
         number of corrupt shards found."""
         live = [node for node in self._nodes if node not in dead]
         tickets = {
