@@ -219,13 +219,20 @@ class PrivateDir:
                 raise
 
 
-def write_all(fd: int, parts: Sequence[Any]) -> int:
-    """Write the buffers ``parts`` to ``fd`` in order, finishing short writes; returns bytes."""
+def write_all(fd: int, parts: Sequence[Any], offset: int | None = None) -> int:
+    """Write the buffers ``parts`` to ``fd`` in order, finishing short writes; returns bytes.
+    ``offset``: write there (``pwritev``) instead of at the file position. At most 1,000 buffers
+    go to one call (IOV_MAX is 1,024 on Linux)."""
     views = [memoryview(part).cast("B") for part in parts]
     views = [view for view in views if len(view)]
     total = sum(len(view) for view in views)
     while views:
-        done = os.writev(fd, views)
+        batch = views[:1000]
+        if offset is None:
+            done = os.writev(fd, batch)
+        else:
+            done = os.pwritev(fd, batch, offset)
+            offset += done
         while views and done >= len(views[0]):
             done -= len(views[0])
             views.pop(0)

@@ -59,7 +59,6 @@ from kvstore.blockstore.segments import (
     SHARD,
     Segment,
     entries_for,
-    entry_of,
     header_ok,
     open_segment,
     record_header,
@@ -69,7 +68,6 @@ from kvstore.blockstore.segments import (
 )
 from kvstore.blockstore.shardindex import ShardIndex
 from kvstore.clock import Clock, SystemClock
-from kvstore.ec.shard import HEADER_BYTES as SHARD_HEADER_BYTES
 from kvstore.ec.shard import parse_shard
 from kvstore.errors import ConfigError, CorruptShard, InvalidArgument, StoreError
 from kvstore.keys import KEY_BYTES, BlockKey, check_key
@@ -119,7 +117,7 @@ class StorageNode:
         self._disk = NodeDisk.of(
             self._root.fd, self.config.disk_reserve_fraction, self.config.disk_reserve_bytes
         )
-        self._index = self._rows = ShardIndex()
+        self._index = ShardIndex()
         self._committed = self._index.committed
         self._pending = self._index.pending
         self._live = self._index.live
@@ -127,6 +125,7 @@ class StorageNode:
         self._next_lsn = 1
         #: (key, shard index) of committed shards found damaged; the next scrub reports them.
         self._damaged: list[tuple[bytes, int]] = []
+        self._scrub_cursor = 0  # where the next scrub pass starts, round robin
         self._compacting: tuple[int, int] | None = None  # (segment seq, next entry) of a move
         self._counters = {
             "puts": 0,
@@ -223,17 +222,17 @@ class StorageNode:
         self._next_lsn += count
         return first
 
-    def _append(self, parts: list[object], entries: list[bytes], size: int) -> Segment:
-        """Append one batch to the open segment (rolling to a new one first when it would pass
-        ``segment_bytes``); returns the segment written."""
+    def _start_batch(self, size: int) -> int:
+        """Where a batch of ``size`` bytes goes in the open segment: sealed and replaced first
+        when the batch would take it past ``segment_bytes`` (a batch larger than that gets a
+        segment of its own)."""
         if (
             self._open.size > SEGMENT_HEADER_BYTES
             and self._open.size + size > self.config.segment_bytes
         ):
             self._open.seal(self._syncs)
             self._open = self._new_segment()
-        self._open.append(parts, entries, self._syncs)
-        return self._open
+        return self._open.size
 
     # --- write path ------------------------------------------------------------------------
 
@@ -301,19 +300,20 @@ class StorageNode:
             stamp=now,
             body_len=lengths,
         )
-        start = self._offset_after_roll(size)
+        start = self._start_batch(size)
         offsets = (start + np.cumsum([0, *(RECORD_BYTES + n for n in lengths[:-1])])).tolist()
         view = memoryview(heads)
         parts: list[object] = []
         for n, body in enumerate(bodies):
             parts += (view[n * RECORD_BYTES : (n + 1) * RECORD_BYTES], body)
         try:
-            segment = self._append(parts, [entries_for(offsets, heads, bodies)], size)
+            segment = self._open
+            segment.append(parts, [entries_for(offsets, heads, bodies)], self._syncs)
         except OSError as error:
             log.warning("node %d: appending %d shards failed: %s", self.node_id, len(chosen), error)
             self._counters["put_refused"] += len(chosen)
             return results
-        rows = self._rows.add_many(
+        rows = self._index.add_many(
             len(chosen),
             seg=segment.seq,
             offset=offsets,
@@ -338,15 +338,6 @@ class StorageNode:
         self._counters["bytes_written"] += size
         return results
 
-    def _offset_after_roll(self, size: int) -> int:
-        """Where a batch of ``size`` bytes will start (``_append`` rolls the same way)."""
-        if (
-            self._open.size > SEGMENT_HEADER_BYTES
-            and self._open.size + size > self.config.segment_bytes
-        ):
-            return SEGMENT_HEADER_BYTES
-        return self._open.size
-
     def _room(self) -> int:
         """Bytes this node may still add: up to its set capacity, which counts what the blocks
         take (live records, as the GC does: ``capacity.py``), or what the disk has beyond its
@@ -368,10 +359,12 @@ class StorageNode:
         heads = record_headers(
             kind, self._take_lsns(len(targets)), keys, token=tokens, target_lsn=lsns
         )
-        start = self._offset_after_roll(size)
+        start = self._start_batch(size)
         offsets = range(start, start + size, RECORD_BYTES)
         try:
-            self._append([heads], [entries_for(offsets, heads, [b""] * len(targets))], size)
+            self._open.append(
+                [heads], [entries_for(offsets, heads, [b""] * len(targets))], self._syncs
+            )
         except OSError as error:
             log.warning("node %d: appending %d marks failed: %s", self.node_id, len(targets), error)
             return False
@@ -384,7 +377,7 @@ class StorageNode:
         """
         checked = [bytes(check_key(key)) for key in keys]
         targets = [
-            (key, token, self._rows.get("lsn", self._pending[(key, token)]))
+            (key, token, self._index.get("lsn", self._pending[(key, token)]))
             for key in dict.fromkeys(checked)
             if (key, token) in self._pending
         ]
@@ -416,7 +409,7 @@ class StorageNode:
         self._counters["gets"] += len(keys)
         rows = [self._committed.get(bytes(key)) for key in keys]
         held = [row for row in rows if row is not None]
-        columns = self._rows.columns
+        columns = self._index.columns
         lengths = np.full(len(keys), -1, np.int64)
         if not held:
             self._counters["get_missing"] += len(keys)
@@ -444,7 +437,7 @@ class StorageNode:
         for i in lost:  # gone behind our back: report it, so repair re-creates the shard
             key = bytes(keys[i])
             row = self._committed.pop(key)
-            self._damaged.append((key, self._rows.get("index", row)))
+            self._damaged.append((key, self._index.get("index", row)))
             self._index.drop(row)
         self._counters["get_missing"] += len(keys) - len(held) + len(lost)
         self._counters["bytes_read"] += position
@@ -467,7 +460,7 @@ class StorageNode:
             row = self._committed.get(key)
             if row is None:
                 continue
-            if not_after is not None and float(self._rows.columns["created"][row]) > not_after:
+            if not_after is not None and float(self._index.columns["created"][row]) > not_after:
                 continue
             chosen.append(key)
         self._forget(chosen)
@@ -478,7 +471,7 @@ class StorageNode:
         """Drop committed shards, with DELETE marks so a restart does not bring them back. If
         the marks cannot be written the shards are forgotten anyway (a restart may then serve
         one again: its bytes are still whole and checked by every reader)."""
-        targets = [(key, 0, self._rows.get("lsn", self._committed[key])) for key in keys]
+        targets = [(key, 0, self._index.get("lsn", self._committed[key])) for key in keys]
         self._marks(DELETE, targets)
         for key in keys:
             self._index.drop(self._committed.pop(key))
@@ -533,7 +526,7 @@ class StorageNode:
             owners = meta_shard_of(keys, num_meta_shards) if keys else np.zeros(0, np.int64)
             keys = [key for key, owner in zip(keys, owners, strict=True) if owner == meta_shard]
         rows = np.array([self._committed[key] for key in keys], np.int64)
-        columns = self._rows.columns
+        columns = self._index.columns
         digests = columns["payload_hash"][rows].astype("<u8").tobytes()
         return pa.table(
             {
@@ -563,13 +556,13 @@ class StorageNode:
         keys = list(self._committed)
         chosen: list[bytes] = []
         if keys:
-            start = getattr(self, "_scrub_cursor", 0) % len(keys)
+            start = self._scrub_cursor % len(keys)
             chosen = (keys[start:] + keys[:start])[: max(0, limit)]
             self._scrub_cursor = start + len(chosen)
         bad: list[bytes] = []
         for key in chosen:
             row = self._committed[key]
-            index = self._rows.get("index", row)
+            index = self._index.get("index", row)
             try:
                 self._check_record(key, row)
             except CorruptShard as error:
@@ -582,9 +575,9 @@ class StorageNode:
 
     def _check_record(self, key: bytes, row: int) -> None:
         """Verify one committed shard's whole record, header and body (``CorruptShard``)."""
-        columns = self._rows.columns
+        columns = self._index.columns
         segment = self._segments.get(int(columns["seg"][row]))
-        record = np.empty(self._rows.record_bytes(row), np.uint8)
+        record = np.empty(self._index.record_bytes(row), np.uint8)
         view = memoryview(record)  # type: ignore[arg-type]
         if segment is None or not segment.read(int(columns["offset"][row]), record.size, view):
             raise CorruptShard("unreadable (the segment is shorter than the index says)")
@@ -606,8 +599,8 @@ class StorageNode:
             if row is None:
                 out.append(None)
                 continue
-            path = self._segdir.path / segment_name(self._rows.get("seg", row))
-            out.append((str(path), self._rows.get("offset", row), self._rows.record_bytes(row)))
+            path = self._segdir.path / segment_name(self._index.get("seg", row))
+            out.append((str(path), self._index.get("offset", row), self._index.record_bytes(row)))
         return out
 
     def reclaim_orphans(
@@ -624,7 +617,7 @@ class StorageNode:
           GC delete that never arrived, or by a repair that moved the shard elsewhere.
         """
         cutoff = self._clock.now() - grace_s
-        stamps = self._rows.columns["stamp"]
+        stamps = self._index.columns["stamp"]
         stale_pending = [pk for pk, row in self._pending.items() if stamps[row] < cutoff]
         for key, token in stale_pending:
             self.abort(token, [key])
@@ -717,24 +710,23 @@ class StorageNode:
                 size += RECORD_BYTES
             position += 1
         if copies:
-            offset = self._offset_after_roll(size)
+            offset = self._start_batch(size)
             parts: list[object] = []
-            entries_out: list[bytes] = []
+            offsets: list[int] = []
             for _, head, copied in copies:
-                parts.append(head)
-                body_head = b""
-                if copied is not None:
-                    parts.append(copied)
-                    body_head = copied[:SHARD_HEADER_BYTES].tobytes()
-                entries_out.append(entry_of(offset, head, body_head))
+                offsets.append(offset)
+                parts += (head,) if copied is None else (head, copied)
                 offset += len(head) + (0 if copied is None else copied.size)
+            heads = b"".join(head for _, head, _ in copies)
+            bodies = [b"" if copied is None else copied for _, _, copied in copies]
+            target = self._open
             try:
-                target = self._append(parts, entries_out, size)
+                target.append(parts, [entries_for(offsets, heads, bodies)], self._syncs)
             except OSError as error:
                 log.warning("node %d: compacting segment %d failed: %s", self.node_id, seq, error)
                 return 0, False
             offset = target.size - size
-            columns = self._rows.columns
+            columns = self._index.columns
             for moved, _, copied in copies:
                 record_bytes = RECORD_BYTES + (0 if copied is None else copied.size)
                 if moved is not None:

@@ -69,7 +69,7 @@ import xxhash
 from kvstore.ec.shard import HEADER_BYTES as SHARD_HEADER_BYTES
 from kvstore.ec.shard import PAYLOAD_HASH
 from kvstore.errors import CorruptShard
-from kvstore.privatefs import PrivateDir
+from kvstore.privatefs import PrivateDir, write_all
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,7 @@ ENTRY_DTYPE = np.dtype(
 )
 assert ENTRY_DTYPE.itemsize == 120
 _PAYLOAD_LEN = slice(16, 24)  # in a codec shard's header
-assert PAYLOAD_HASH.start == _PAYLOAD_LEN.stop
-#: Where a SHARD record's payload length and hash sit, from the record's start.
-_FIELDS = slice(RECORD_BYTES + _PAYLOAD_LEN.start, RECORD_BYTES + PAYLOAD_HASH.stop)
+assert PAYLOAD_HASH.start == _PAYLOAD_LEN.stop  # entries_for reads both in one slice
 
 
 def segment_name(seq: int) -> str:
@@ -198,16 +196,26 @@ def record_headers(
 def entries_for(
     offsets: Sequence[int], heads: bytes | bytearray, bodies: Sequence[object]
 ) -> bytes:
-    """The footer entries of records written at ``offsets`` with headers ``heads`` (as
-    ``record_headers`` made them) and bodies ``bodies`` (codec shards, or empty for marks)."""
+    """The footer entries of the records at ``offsets`` with headers ``heads`` (96 bytes each,
+    end to end) and ``bodies`` (a SHARD record's codec shard, or at least its first 64 bytes;
+    anything for the others): each header, and a shard's payload length and hash."""
     entries = np.zeros(len(offsets), ENTRY_DTYPE)
+    if not len(offsets):
+        return entries.tobytes()
     entries["offset"] = offsets
     entries["record"] = np.frombuffer(heads, RECORD_DTYPE)
-    fields = [bytes(memoryview(b)[_PAYLOAD_LEN.start : PAYLOAD_HASH.stop]) for b in bodies]  # type: ignore[arg-type]
-    if fields and all(len(f) == 16 for f in fields):
-        found = np.frombuffer(b"".join(fields), np.dtype([("len", "<u8"), ("hash", "V8")]))
-        entries["payload_len"] = found["len"]
-        entries["payload_hash"] = found["hash"]
+    records = entries["record"]
+    shard = (records["kind"] == SHARD) & (records["body_len"] >= SHARD_HEADER_BYTES)
+    fields = b"".join(
+        [
+            bytes(memoryview(body)[_PAYLOAD_LEN.start : PAYLOAD_HASH.stop])  # type: ignore[arg-type]
+            for body, is_shard in zip(bodies, shard.tolist(), strict=True)
+            if is_shard
+        ]
+    )
+    found = np.frombuffer(fields, np.dtype([("len", "<u8"), ("hash", "V8")]))
+    entries["payload_len"][shard] = found["len"]
+    entries["payload_hash"][shard] = found["hash"]
     return entries.tobytes()
 
 
@@ -219,16 +227,6 @@ def header_ok(head: bytes | memoryview) -> bool:
         and head[4] in KINDS
         and xxhash.xxh3_64_digest(head[:_COVERED]) == bytes(head[_COVERED:])
     )
-
-
-def entry_of(offset: int, head: bytes | memoryview, body_head: bytes | memoryview) -> bytes:
-    """The footer entry of a record at ``offset``: its header and, for a shard, the payload
-    length and hash from the first bytes of its codec shard (``body_head``)."""
-    if len(body_head) >= SHARD_HEADER_BYTES:
-        tail = bytes(body_head[_PAYLOAD_LEN]) + bytes(body_head[PAYLOAD_HASH])
-    else:
-        tail = bytes(16)
-    return offset.to_bytes(8, "little") + bytes(head) + tail
 
 
 @dataclass
@@ -264,7 +262,7 @@ class Segment:
         head = SEGMENT_HEADER.pack(SEGMENT_MAGIC, seq, first_lsn, now, bytes(24), bytes(8))
         head = head[:56] + xxhash.xxh3_64_digest(head[:56])
         try:
-            _write_all_at(write_fd, [head], 0)
+            write_all(write_fd, [head], 0)
             read_fd = directory.open_read(name)
         except OSError:
             os.close(write_fd)
@@ -287,7 +285,7 @@ class Segment:
         start = self.size
         total = sum(memoryview(p).nbytes for p in parts)  # type: ignore[arg-type, misc]
         try:
-            _write_all_at(self.write_fd, parts, start)
+            write_all(self.write_fd, parts, start)
             if sync:
                 os.fdatasync(self.write_fd)
         except OSError:
@@ -304,7 +302,7 @@ class Segment:
         entries = self.all_entries()
         body = entries.tobytes()
         trailer = TRAILER.pack(TRAILER_MAGIC, len(entries), self.size, xxhash.xxh3_64_digest(body))
-        _write_all_at(self.write_fd, [body, trailer], self.size)
+        write_all(self.write_fd, [body, trailer], self.size)
         if sync:
             os.fdatasync(self.write_fd)
         os.close(self.write_fd)
@@ -401,27 +399,10 @@ def _scan(fd: int, size: int) -> Scan:
         offsets.append(offset)
         offset += length
         end = offset
-    entries = _entries_at(raw, offsets)
-    return Scan(entries, end, False, damaged)
-
-
-def _entries_at(raw: bytes, offsets: list[int]) -> np.ndarray:
-    """The ENTRY rows of the records at ``offsets`` of ``raw`` (a whole segment)."""
-    entries = np.zeros(len(offsets), ENTRY_DTYPE)
-    if not offsets:
-        return entries
-    entries["offset"] = offsets
     heads = b"".join([raw[at : at + RECORD_BYTES] for at in offsets])
-    entries["record"] = np.frombuffer(heads, RECORD_DTYPE)
-    records = entries["record"]
-    shard = (records["kind"] == SHARD) & (records["body_len"] >= SHARD_HEADER_BYTES)
-    fields = b"".join(
-        [raw[at + _FIELDS.start : at + _FIELDS.stop] for at in entries["offset"][shard].tolist()]
-    )
-    found = np.frombuffer(fields, np.dtype([("payload_len", "<u8"), ("payload_hash", "V8")]))
-    entries["payload_len"][shard] = found["payload_len"]
-    entries["payload_hash"][shard] = found["payload_hash"]
-    return entries
+    bodies = [data[at + RECORD_BYTES : at + RECORD_BYTES + SHARD_HEADER_BYTES] for at in offsets]
+    entries = np.frombuffer(entries_for(offsets, heads, bodies), ENTRY_DTYPE).copy()
+    return Scan(entries, end, False, damaged)
 
 
 def _resync(raw: bytes, start: int) -> int | None:
@@ -434,20 +415,6 @@ def _resync(raw: bytes, start: int) -> int | None:
         if header_ok(raw[found : found + RECORD_BYTES]):
             return found
         position = found + 1
-
-
-def _write_all_at(fd: int, parts: Sequence[object], offset: int) -> None:
-    """``pwritev`` every part at ``offset`` (in chunks of at most 1,000 buffers: IOV_MAX)."""
-    views = [memoryview(p).cast("B") for p in parts]  # type: ignore[arg-type]
-    while views:
-        batch = views[:1000]
-        written = os.pwritev(fd, batch, offset)
-        offset += written
-        while batch and written >= len(batch[0]):
-            written -= len(batch.pop(0))
-            views.pop(0)
-        if views and written:
-            views[0] = views[0][written:]
 
 
 def segment_files(directory: PrivateDir) -> Iterator[str]:

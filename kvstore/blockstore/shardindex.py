@@ -40,14 +40,6 @@ class ShardIndex:
         #: segment seq -> bytes of the records rows point at (the rest of the file is dead)
         self.live: dict[int, int] = {}
 
-    def add(self, **values: float) -> int:
-        if not self._free:
-            self._grow_to(2 * len(self.columns["seg"]))
-        row = self._free.pop()
-        for name, value in values.items():
-            self.columns[name][row] = value
-        return row
-
     def add_many(self, count: int, **values: Any) -> list[int]:
         """Rows for ``count`` new shards, their columns set from ``values`` (per row or one)."""
         while len(self._free) < count:
@@ -73,13 +65,11 @@ class ShardIndex:
         self.live[self.get("seg", row)] -= self.record_bytes(row)
         self.free(row)
 
-    def set_committed(self, key: bytes, row: int, count: bool = True) -> None:
+    def set_committed(self, key: bytes, row: int) -> None:
         """``row`` is now ``key``'s committed shard (an older one is dropped)."""
         old = self.committed.get(key)
         if old is not None:
-            if count:
-                self.live[self.get("seg", old)] -= self.record_bytes(old)
-            self.free(old)
+            self.drop(old)
         self.committed[key] = row
 
     def live_row(self, seq: int, offset: int, key: bytes, token: int) -> tuple[int, bool] | None:
