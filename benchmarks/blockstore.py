@@ -60,9 +60,11 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# Not this folder first: its grpc.py would stand in for the grpc package (Ray's auth probe).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.peers import redis_server  # noqa: E402
+from benchmarks.peers import Redis, peer_redis  # noqa: E402
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig  # noqa: E402
 from kvstore.ec.codec import Codec  # noqa: E402
 from kvstore.geometry import GeometryConfig  # noqa: E402
@@ -136,6 +138,17 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def this_runs_processes() -> list[int]:
+    """This run's Ray processes: below this process (the embedded instance), or on a testbed
+    (``--hosts``: Ray was started on its hosts, each process tagged with the testbed's name)."""
+    from kvstore.testbed.netns import TAG_VARIABLE, tagged_processes
+
+    tag = os.environ.get(TAG_VARIABLE)
+    if not tag:
+        return descendants(os.getpid())
+    return [pid for pid, _ in tagged_processes(tag) if pid != os.getpid()]
+
+
 class CpuGroups:
     """Pids of this run's processes by role, and their CPU seconds."""
 
@@ -144,7 +157,7 @@ class CpuGroups:
 
         stats = ray.get([h.stats.remote() for h in handles.nodes.values()], timeout=60)
         pids = [s.get("pid") for s in stats]
-        below = [p for p in descendants(os.getpid()) if p not in exclude]
+        below = [p for p in this_runs_processes() if p not in exclude]
         self.pid_source = "StorageNode.stats()['pid']"
         if not all(isinstance(p, int) for p in pids):
             self.pid_source = "/proc cmdline ray::StorageNodeActor"
@@ -244,40 +257,6 @@ class PhaseCpu:
         if peer is not None and self.redis_before is not None and end is not None:
             peer.add_cpu("redis-server", end - self.redis_before)
         self.before = None
-
-
-# --- the peer ----------------------------------------------------------------------------------
-
-
-class Redis:
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        self.pid = int(client.info("server")["process_id"])
-        parser = client.connection_pool.connection_kwargs.get("parser_class")
-        self.hiredis = "Hiredis" in getattr(parser, "__name__", "") or _hiredis_default()
-
-    def set_many(self, keys: list[bytes], values: list[bytes]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        for key, value in zip(keys, values, strict=True):
-            pipe.set(key, value)
-        pipe.execute()
-
-    def get_many(self, keys: list[bytes]) -> list[bytes]:
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(key)
-        return pipe.execute()
-
-    def delete(self, keys: list[bytes]) -> None:
-        self.client.delete(*keys)
-
-
-def _hiredis_default() -> bool:
-    try:
-        from redis.utils import HIREDIS_AVAILABLE
-    except ImportError:
-        return False
-    return bool(HIREDIS_AVAILABLE)
 
 
 # --- the run -----------------------------------------------------------------------------------
@@ -494,11 +473,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = store_config(args, data_root)
     handles = None
     try:
-        with redis_server() as peer:
-            if peer is None:
-                raise RuntimeError("redis-server not found (apt-get install redis-server)")
-            redis = Redis(peer[1])
-            connect(None, config=LocalClusterConfig(head_object_store_mib=2048))
+        with peer_redis(args.redis) as redis:
+            # --join: a testbed's Ray (this process on its client host); else embedded.
+            connect(args.join, config=LocalClusterConfig(head_object_store_mib=2048))
             handles = deploy_blockstore(config, start_repair=False)
             deployed = time.monotonic()
             bench = Bench(args, handles, redis, data_root)
@@ -510,6 +487,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if handles is not None:
             handles.shutdown()
         shutil.rmtree(data_root, ignore_errors=True)
+    if args.join:
+        results["config"]["ray"] = f"Ray across testbed hosts, joined at {args.join}"
+        results["config"]["client"] = "handles.client() on the client host (no storage node)"
+        results["config"]["redis"] = f"redis-server on another host ({args.redis}"
     if args.zstd:
         results["zstd"] = measure_zstd(np.random.default_rng(7))
     results["config"]["wall_s"] = time.monotonic() - started
@@ -641,7 +622,8 @@ def table(results: dict[str, Any]) -> str:
     lines = [
         f"Block KVCache tier ({cfg['storage_nodes']} storage nodes, {cfg['code']}, "
         f"{cfg['meta_shards']} meta shards, fsync={cfg['fsync']}, {cfg['ray']}; client: "
-        f"{cfg['client']}) vs redis-server (loopback, pipelined, hiredis={cfg['hiredis']}), "
+        f"{cfg['client']}) vs {cfg.get('redis', 'redis-server (loopback')}, pipelined, "
+        f"hiredis={cfg['hiredis']}), "
         f"same run; batches of {batches} blocks; up to {cfg['runs']} timed batches per case "
         f"(median); {cfg['cpus']} CPUs; wall {cfg['wall_s']:.0f} s",
         "",
@@ -732,6 +714,20 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def across_hosts(args: argparse.Namespace) -> dict[str, Any]:
+    """This benchmark on a testbed's client host (see ``benchmarks/hosts.py``)."""
+    from benchmarks.hosts import cross_host_testbed, run_on_client
+
+    passed = ["--runs", str(args.runs), "--case-seconds", str(args.case_seconds)]
+    passed += ["--batch", str(args.batch), "--batch-large", str(args.batch_large)]
+    passed += ["--fsync", args.fsync, "--call-timeout", str(args.call_timeout)]
+    passed += ["--no-degraded-put"] if args.no_degraded_put else []
+    with cross_host_testbed() as (bed, redis):
+        argv = [str(Path(__file__).resolve()), "--join", bed.ray.address, "--redis", redis]
+        argv += ["--data-root", str(bed.run_dir), *passed]
+        return run_on_client(bed, argv)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -762,6 +758,14 @@ def main() -> int:
     )
     parser.add_argument("--zstd", action="store_true", help="also measure zstd on KV-like bytes")
     parser.add_argument("--data-root", default=None, help="parent dir of the node data dirs")
+    parser.add_argument(
+        "--hosts",
+        action="store_true",
+        help="across hosts (root): a testbed of network namespaces, this benchmark on its "
+        "client host, Redis on a storage host (benchmarks/hosts.py)",
+    )
+    parser.add_argument("--join", help=argparse.SUPPRESS)  # set by --hosts: the testbed's Ray
+    parser.add_argument("--redis", help=argparse.SUPPRESS)  # set by --hosts: HOST:PORT
     args = parser.parse_args()
     if args.runs < 4:
         parser.error("--runs must be >= 4")
@@ -769,7 +773,7 @@ def main() -> int:
         parser.error("batches must hold at least one block")
     # Ray prints cluster warnings to stdout; keep stdout for the table / JSON alone.
     with contextlib.redirect_stdout(sys.stderr):
-        results = run(args)
+        results = across_hosts(args) if args.hosts else run(args)
     if args.json:
         json.dump(results, sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -1,5 +1,6 @@
 """Servers the benchmarks start: a throw-away Redis on loopback (the peer measured in the same
-run), and `kvstore up` in its own process."""
+run), or another host's (``peer_redis``), with a pipelining client; and `kvstore up` in its own
+process."""
 
 from __future__ import annotations
 
@@ -64,6 +65,54 @@ def redis_server() -> Iterator[tuple[int, Any] | None]:
         finally:
             process.terminate()
             process.wait(timeout=10)
+
+
+class Redis:
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.pid = int(client.info("server")["process_id"])
+        parser = client.connection_pool.connection_kwargs.get("parser_class")
+        self.hiredis = "Hiredis" in getattr(parser, "__name__", "") or _hiredis_default()
+
+    def set_many(self, keys: list[bytes], values: list[bytes]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for key, value in zip(keys, values, strict=True):
+            pipe.set(key, value)
+        pipe.execute()
+
+    def get_many(self, keys: list[bytes]) -> list[bytes]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        return pipe.execute()
+
+    def delete(self, keys: list[bytes]) -> None:
+        self.client.delete(*keys)
+
+
+def _hiredis_default() -> bool:
+    try:
+        from redis.utils import HIREDIS_AVAILABLE
+    except ImportError:
+        return False
+    return bool(HIREDIS_AVAILABLE)
+
+
+@contextmanager
+def peer_redis(address: str | None) -> Iterator[Redis]:
+    """The Redis to compare with: ``--redis HOST:PORT`` (another testbed host's), else one
+    started here on loopback."""
+    if address:
+        import redis
+
+        host, port = address.rsplit(":", 1)
+        password = os.environ.get("KVSTORE_BENCH_REDIS_PASSWORD")  # set by benchmarks/hosts.py
+        yield Redis(redis.Redis(host=host, port=int(port), password=password))
+        return
+    with redis_server() as peer:
+        if peer is None:
+            raise RuntimeError("redis-server not found (apt-get install redis-server)")
+        yield Redis(peer[1])
 
 
 @contextmanager

@@ -157,10 +157,13 @@ class ServiceConfig:
             raise ConfigError(
                 "block_bytes", f"must be a positive integer, got {self.block_bytes!r}"
             )
-        shared = {
+        shared: dict[str, Any] = {
             "traffic_classes": self.gc.class_names,
             "lease_seconds": self.gc.lease_default_s,
         }
+        if not self.blockstore.repair_class_order:  # repair order: the policy's TTLs, longest first
+            ttl = self.gc.ttl_seconds
+            shared["repair_class_order"] = tuple(sorted(ttl, key=lambda name: -ttl[name]))
         if any(getattr(self.blockstore, k) != v for k, v in shared.items()):
             object.__setattr__(self, "blockstore", self.blockstore.with_overrides(**shared))
 

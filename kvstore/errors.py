@@ -171,6 +171,12 @@ class NodeDead(NodeUnavailable):
     """The cluster reports the storage node or meta shard dead for good (not just slow)."""
 
 
+class NodeDraining(NodeUnavailable):
+    """The storage node is draining (a planned removal): it takes no new shards but still
+    serves reads, commits and deletes. A writer places around it without counting it failed,
+    so readers keep using it. One message argument: pickles as it is (Ray actor boundaries)."""
+
+
 def grpc_status_name(error: BaseException) -> str:
     """The gRPC status code name for ``error`` (INTERNAL for anything unexpected)."""
     if isinstance(error, KVStoreError):

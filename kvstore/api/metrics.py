@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore.tier.records import Stats
+from kvstore.tier.records import Stats, stat_number
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +95,71 @@ class _TierCollector(Collector):
         repairs.add_metric(["done"], stats.repairs_done)
         repairs.add_metric(["pending"], stats.repairs_pending)
         yield repairs
+        yield from _repair_progress(stats.extra.get("repair"))
         nodes = GaugeMetricFamily("kvstore_storage_nodes", "Storage nodes", labels=["state"])
         nodes.add_metric(["live"], stats.live_storage_nodes)
         nodes.add_metric(["all"], stats.storage_nodes)
         yield nodes
+
+
+def _repair_progress(repair: Any) -> Iterator[Any]:
+    """Repair, drain and scrub figures of the repair actor (``Stats.extra["repair"]``). Each
+    one the actor does not report (an older actor, one that did not answer) is left out rather
+    than exported as 0: "no figure" must not read as "nothing left to repair"."""
+    if not isinstance(repair, Mapping):
+        return
+    progress = repair.get("progress")
+    simple = (
+        (
+            "kvstore_repair_bytes_left",
+            "Shard bytes repair still has to restore or move",
+            "bytes_left",
+        ),
+        (
+            "kvstore_repair_rate_bytes_per_second",
+            "Shard bytes repair restores or moves per second",
+            "rate_bytes_per_s",
+        ),
+        ("kvstore_repair_eta_seconds", "Seconds until repair has nothing left", "eta_s"),
+    )
+    for name, documentation, key in simple:
+        value = stat_number(progress, key)
+        if value is not None:
+            yield GaugeMetricFamily(name, documentation, value=value)
+    left = GaugeMetricFamily(
+        "kvstore_repair_stripes_left",
+        "Stripes repair still has to restore (lost 2 or 1 shards) or move off draining nodes",
+        labels=["lost"],
+    )
+    for label, key in (("2", "lost_2"), ("1", "lost_1"), ("moving", "moving")):
+        value = stat_number(progress, key)
+        if value is not None:
+            left.add_metric([label], value)
+    if left.samples:
+        yield left
+    scrub = repair.get("scrub")
+    for name, documentation, key in (
+        ("kvstore_scrub_bytes", "Shard bytes the background scrub verified", "bytes"),
+        ("kvstore_scrub_corrupt_shards", "Corrupt shards the background scrub found", "corrupt"),
+    ):
+        value = stat_number(scrub, key)
+        if value is not None:
+            yield CounterMetricFamily(name, documentation, value=value)
+    draining = repair.get("draining")
+    if isinstance(draining, Mapping) and draining:
+        nodes = GaugeMetricFamily(
+            "kvstore_draining_stripes_left",
+            "Stripes that still have a shard on a draining storage node",
+            labels=["node"],
+        )
+        for node, entry in sorted(
+            draining.items(), key=lambda item: (len(str(item[0])), str(item[0]))
+        ):
+            value = stat_number(entry, "stripes_left")
+            if value is not None:
+                nodes.add_metric([str(node)], value)
+        if nodes.samples:
+            yield nodes
 
 
 class ApiMetrics:

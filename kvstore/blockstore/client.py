@@ -3,19 +3,30 @@
 Write rule (all or nothing). A block becomes visible to ``lookup`` only after:
 
 1. its meta shard granted this writer a reservation of the key (``begin_put``);
-2. all k+m shards were written *pending* and acknowledged durable by their k+m distinct nodes
-   (one ``put`` call per node per batch);
-3. all k+m nodes acknowledged the commit mark of their shard, durable too (how a node records
-   a commit on disk, and what it guarantees then, is documented in ``node.py``);
+2. at least ``min_write_shards`` (k+1 by default) of its shards were written *pending* and
+   acknowledged durable by as many distinct nodes (one ``put`` call per node per batch);
+3. at least ``min_write_shards`` of those nodes acknowledged the commit mark of their shard,
+   durable too (how a node records a commit on disk, and what it guarantees then, is documented
+   in ``node.py``);
 4. its meta shard inserted it into the index (``commit``) — the visibility point.
 
-A block missing any acknowledgement in 2 or 3 is reported ``failed`` and never inserted; its
+Normally all k+m shards are written. With fewer than k+m nodes taking writes (dead, or draining:
+a node that refuses a put with ``NodeDraining`` is left out of placement for ``node_retry_s``
+but still read from) but at least ``min_write_shards``, each such node gets one shard and the
+parity shards past them are not written, so every data shard exists and reads stay on the
+systematic path. A block whose write or commit reached at least ``min_write_shards`` but not
+all of its shards is stored *under-redundant*: its placement records the missing shards as lost
+(-1), it is listed in ``PutResult.under_redundant``, and the repair restores them as it does a
+dead node's.
+
+A block with fewer acknowledgements in 2 or 3 is reported ``failed`` and never inserted; its
 reservation is dropped and its pending/committed shards are orphans that the nodes' orphan
-scrub reclaims after ``orphan_grace_s``. A writer that dies anywhere before 4 leaves no visible
-block. Because step 3 only starts after step 2 finished everywhere, a committed shard proves
-its whole stripe was durable; a meta shard rebuilt from manifests restores a block only with
->= k committed shards found (``meta.py``), so an uncommitted write is never resurrected and a
-committed one is never lost.
+scrub reclaims after ``orphan_grace_s`` (so are the shards of a stored block left out of its
+placement). A writer that dies anywhere before 4 leaves no visible block. Because step 3 only
+starts after step 2 finished everywhere, a committed shard proves at least ``min_write_shards``
+(>= k) shards of its stripe were durable; a meta shard rebuilt from manifests restores a block
+only with >= k committed shards found (``meta.py``), so an uncommitted write is never
+resurrected and a committed one is never lost.
 
 Reads are ``reads.py`` (``BlockReads``), the shared state and node health ``core.py``.
 """
@@ -46,6 +57,7 @@ from kvstore.blockstore.records import (
 )
 from kvstore.errors import (
     InvalidArgument,
+    NodeDraining,
     NodeUnavailable,
 )
 from kvstore.keys import BlockKey, key_words
@@ -91,8 +103,9 @@ class BlockStoreClient(BlockReads):
                     busy.append(checked[position])
         granted.sort()
         stored: list[BlockKey] = []
+        under: list[BlockKey] = []
         if granted:
-            done, lost = self._write(
+            done, lost, under = self._write(
                 [checked[p] for p in granted], [payloads[p] for p in granted], class_id, token
             )
             stored.extend(done)
@@ -101,28 +114,36 @@ class BlockStoreClient(BlockReads):
                 self._meta_calls(lost, MetaShardCalls.abort_put, token)
         self.counters["blocks_stored"] += len(stored)
         self.counters["blocks_put_failed"] += len(failed)
-        return PutResult(stored=stored, existing=existing, busy=busy, failed=failed)
+        self.counters["blocks_under_redundant"] += len(under)
+        return PutResult(
+            stored=stored, existing=existing, busy=busy, failed=failed, under_redundant=under
+        )
 
     def _write(
         self, keys: list[BlockKey], payloads: list[object], class_id: int, token: int
-    ) -> tuple[list[BlockKey], list[BlockKey]]:
-        """Steps 2-4 of the write rule for reserved keys; returns (stored, failed)."""
+    ) -> tuple[list[BlockKey], list[BlockKey], list[BlockKey]]:
+        """Steps 2-4 of the write rule for reserved keys; returns (stored, failed, the stored
+        ones that are under-redundant)."""
         stripes = [
             self._codec.encode(payload, key) for payload, key in zip(payloads, keys, strict=True)
         ]
         sizes = [int(np.asarray(_flat(payload)).size) for payload in payloads]
         created = self._clock.now()
         todo = list(range(len(keys)))
-        written: dict[int, np.ndarray] = {}  # block position -> placement fully acked
+        # Which node holds which shard of each block, acknowledged: shard index -> node, -1 =
+        # none. A node keeps one pending shard per key and writer (a retried put replaces it,
+        # maybe with another index), so each put's outcome first clears what the node held.
+        held = np.full((len(keys), self._width), -1, dtype=np.int32)
         for _attempt in range(2):  # a node failing mid-put: re-place on the others once
-            live = self._live_nodes()
-            if len(live) < self._width or not todo:
+            nodes = self._write_nodes()
+            if len(nodes) < self.config.write_quorum or not todo:
                 break
-            placements = place([keys[i] for i in todo], live, self._width)
+            placements = self._placements([keys[i] for i in todo], nodes)
             per_node: dict[int, list[tuple[int, int]]] = defaultdict(list)
             for row, position in enumerate(todo):
                 for index, node in enumerate(placements[row]):
-                    per_node[int(node)].append((position, index))
+                    if node >= 0:  # an index past the write nodes is not written
+                        per_node[int(node)].append((position, index))
             tickets = {}
             for node, items in per_node.items():
                 ticket = self._fanout.submit(
@@ -135,51 +156,86 @@ class BlockStoreClient(BlockReads):
                     [created] * len(items),
                 )
                 tickets[ticket] = (node, items, time.monotonic())
-            acked = np.zeros((len(keys), self._width), dtype=bool)
+            short: set[int] = set()  # blocks with a put not acknowledged in this attempt
             for ticket, outcome in self._gather(tickets, self.config.call_timeout_s).items():
                 node, items, started = tickets[ticket]
                 if isinstance(outcome, NodeUnavailable):
-                    self._mark_failed(node)
-                    continue
-                self._mark_ok(node, time.monotonic() - started)
-                for (position, index), ok in zip(items, outcome, strict=True):
-                    acked[position, index] = bool(ok)
-            retry = []
-            for row, position in enumerate(todo):
-                if acked[position].all():
-                    written[position] = placements[row]
+                    self._note_unavailable(node, outcome, time.monotonic() - started)
+                    acks = [False] * len(items)
                 else:
-                    retry.append(position)
-            todo = retry
+                    self._mark_ok(node, time.monotonic() - started)
+                    acks = outcome
+                for (position, index), ok in zip(items, acks, strict=True):
+                    row = held[position]
+                    row[row == node] = -1  # replaced, or in doubt when the call failed
+                    if ok:
+                        row[index] = node
+                    else:
+                        short.add(position)
+            todo = [position for position in todo if position in short]
+        enough = (held >= 0).sum(axis=1) >= self.config.write_quorum
+        written = {int(p): held[p] for p in np.flatnonzero(enough)}
         committed = self._commit_on_nodes(keys, written, token)
         stored_positions = self._commit_in_meta(keys, committed, sizes, class_id, token)
         stored = [keys[p] for p in sorted(stored_positions)]
         failed = [keys[p] for p in range(len(keys)) if p not in stored_positions]
-        return stored, failed
+        under = [
+            keys[p]
+            for p in sorted(stored_positions)
+            if int((committed[p] >= 0).sum()) < self._width
+        ]
+        return stored, failed, under
+
+    def _placements(self, keys: list[BlockKey], nodes: list[int]) -> np.ndarray:
+        """(n, width) placement on ``nodes`` (at most ``domains.cap`` shards a host where it
+        can): shard i on column i; with fewer nodes than the width, the indices past them are
+        -1 (not written). Those are parity shards, so every data shard exists and reads decode
+        on the systematic path."""
+        room = min(len(nodes), self._width)
+        placements = np.full((len(keys), self._width), -1, dtype=np.int32)
+        placements[:, :room] = place(keys, nodes, room, self._domains)
+        return placements
+
+    def _note_unavailable(self, node: int, error: NodeUnavailable, waited_s: float) -> None:
+        """A draining node is left out of writes for a while, not marked failed: reads still
+        use it. Any other unavailable node is failed (after a call that waited ``waited_s``)."""
+        if isinstance(error, NodeDraining):
+            self._mark_draining(node)
+        else:
+            self._mark_failed(node, waited_s)
 
     def _commit_on_nodes(
         self, keys: list[BlockKey], written: dict[int, np.ndarray], token: int
     ) -> dict[int, np.ndarray]:
-        """Step 3: commit marks; returns the blocks whose every node acknowledged."""
-        per_node: dict[int, list[int]] = defaultdict(list)
+        """Step 3: commit marks; returns the blocks with at least ``min_write_shards`` of them
+        acknowledged, each placement keeping only its acknowledged shards (the others stay
+        pending or unreferenced on their nodes: orphans, reclaimed after the grace period)."""
+        per_node: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for position, placement in written.items():
-            for node in placement:
-                per_node[int(node)].append(position)
+            for index, node in enumerate(placement):
+                if node >= 0:
+                    per_node[int(node)].append((position, index))
         tickets = {
             self._fanout.submit(
-                node_target(node), StorageNodeCalls.commit, token, [keys[p] for p in positions]
-            ): (node, positions)
-            for node, positions in per_node.items()
+                node_target(node), StorageNodeCalls.commit, token, [keys[p] for p, _ in items]
+            ): (node, items)
+            for node, items in per_node.items()
         }
-        marks: dict[int, int] = defaultdict(int)
+        marked = {position: np.full(self._width, -1, np.int32) for position in written}
+        sent = time.monotonic()
         for ticket, outcome in self._gather(tickets, self.config.call_timeout_s).items():
-            node, positions = tickets[ticket]
+            node, items = tickets[ticket]
             if isinstance(outcome, NodeUnavailable):
-                self._mark_failed(node)
+                self._note_unavailable(node, outcome, time.monotonic() - sent)
                 continue
-            for position, ok in zip(positions, outcome, strict=True):
-                marks[position] += bool(ok)
-        return {p: pl for p, pl in written.items() if marks[p] == self._width}
+            for (position, index), ok in zip(items, outcome, strict=True):
+                if ok:
+                    marked[position][index] = node
+        return {
+            p: placement
+            for p, placement in marked.items()
+            if int((placement >= 0).sum()) >= self.config.write_quorum
+        }
 
     def _commit_in_meta(
         self,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from kvstore.errors import ConfigError
-from kvstore.gc.config import DEFAULT_CLASSES, DEFAULT_LEASE_S
+from kvstore.gc.config import DEFAULT_CLASSES, DEFAULT_LEASE_S, DEFAULT_TTL
 
 FsyncPolicy = Literal["always", "batch", "never"]
 _FSYNC_POLICIES = ("always", "batch", "never")
@@ -27,6 +27,11 @@ def _positive_int(name: str, value: object) -> None:
 def _non_negative_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(name, f"must be an integer >= 0, got {value!r}")
+
+
+def _number_in(name: str, value: object, low: float, high: float, unit: str = "") -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(name, f"must be in [{low:g}, {high:g}]{unit}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -92,14 +97,17 @@ class BlockStoreConfig:
     lease_seconds: float = DEFAULT_LEASE_S
     #: Longest any single remote call may take before its node counts as unreachable.
     call_timeout_s: float = 10.0
-    #: A read asks the fastest k nodes; shards still missing after this long are asked of the
-    #: remaining m nodes too (hedging).
+    #: A read asks the fastest k nodes; shards still missing after the ``hedge_percentile``
+    #: of the client's recent reads of that size are asked of the remaining m nodes too
+    #: (hedging). Until a client has timed enough reads of a size it waits this long.
     hedge_after_s: float = 0.05
+    hedge_percentile: float = 95.0
     #: A lease given back without waiting (``release_many(wait=False)``, the blocks a lookup
     #: leased beyond its prefix) waits up to this long to ride on the next lookup to its meta
     #: shard, so under load releases cost no calls of their own. 0 sends each at once.
     release_batch_s: float = 0.02
-    #: A client that saw a node fail skips it for this long before trying it again.
+    #: A client that saw a node fail skips it for this long before trying it again; twice as
+    #: long after each further failure in a row, up to 8 times (a success resets it).
     node_retry_s: float = 5.0
     #: How long a writer's reservation of a key lasts (a put longer than this loses it).
     put_reservation_s: float = 60.0
@@ -108,13 +116,26 @@ class BlockStoreConfig:
     #: A node whose health checks fail for this long is declared dead and repaired.
     dead_after_s: float = 10.0
     health_interval_s: float = 1.0
-    #: Stripes re-encoded per repair step (bounds repair traffic).
-    repair_batch: int = 32
-    #: Seconds between background scrub passes (0 = never); each pass has every live node
-    #: verify up to ``scrub_limit`` shards, round robin, and a corrupt one is dropped from its
-    #: node's index and repaired.
-    scrub_every_s: float = 60.0
-    scrub_limit: int = 256
+    #: A put needs this many live failure domains: with fewer than ``stripe_width`` (but at
+    #: least this many) it writes one shard per live domain, commits the stripe as
+    #: *under-redundant* (the missing shards recorded lost) and the repair restores it first.
+    #: Below it the put fails. 0 (the default) means k + 1, at most k + m (Ceph's advice for
+    #: k=10, m=2: a stripe written with 11 shards still survives one more loss);
+    #: ``write_quorum`` is the number in force.
+    min_write_shards: int = 0
+    #: Repair's cap, in shard bytes restored per second (it reads k times as much to decode).
+    repair_bytes_per_s: int = 128 << 20
+    #: Stripes one repair round reads, decodes and writes at once (its concurrency cap; a round
+    #: also stays under ``repair_round_bytes`` of shards read).
+    repair_stripes_per_round: int = 256
+    repair_round_bytes: int = 64 << 20
+    #: Traffic classes in repair order among stripes that lost as many shards (first = first
+    #: repaired). Empty: by TTL, longest first (a deployment sets it from its GC policy): a
+    #: block kept longer is expected to serve more hits before it goes.
+    repair_class_order: tuple[str, ...] = ()
+    #: Background scrub: shard bytes every live node verifies per second (0 = never). A
+    #: corrupt shard is dropped from its node's index and repaired.
+    scrub_bytes_per_s: int = 4 << 20
     #: Misses remembered with their reason per meta shard (evicted / expired), newest kept.
     tombstones: int = 100_000
     node: StorageNodeConfig = StorageNodeConfig()
@@ -123,6 +144,12 @@ class BlockStoreConfig:
     data_root: str = "/var/lib/kvstore/blocks"
     #: Name prefix of the Ray actors of one deployment (several may share a cluster).
     deployment: str = "blockstore"
+    #: The failure domain (host) of each storage node, by node id; a stripe puts at most
+    #: ceil(width / domains) of its shards in one domain where the live ones allow it
+    #: (``placement.FailureDomains``). Empty:
+    #: every node is a domain of its own. A deployment sets it from where its nodes run
+    #: (``kvstore.runtime.deploy``: several nodes on a host when hosts are fewer than nodes).
+    failure_domains: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("data_shards", "parity_shards", "storage_nodes", "meta_shards"):
@@ -149,25 +176,32 @@ class BlockStoreConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(name, f"must be a positive number of seconds, got {value!r}")
-        if (
-            not isinstance(self.release_batch_s, int | float)
-            or isinstance(self.release_batch_s, bool)
-            or not 0 <= self.release_batch_s <= 1
-        ):
-            raise ConfigError(
-                "release_batch_s", f"must be in [0, 1] seconds, got {self.release_batch_s!r}"
-            )
+        _number_in("hedge_percentile", self.hedge_percentile, 50, 100)
+        _number_in("release_batch_s", self.release_batch_s, 0, 1, " seconds")
         if not isinstance(self.orphan_grace_s, int | float) or self.orphan_grace_s < 0:
             raise ConfigError("orphan_grace_s", f"must be >= 0, got {self.orphan_grace_s!r}")
-        _positive_int("repair_batch", self.repair_batch)
-        _positive_int("scrub_limit", self.scrub_limit)
         if (
-            not isinstance(self.scrub_every_s, int | float)
-            or isinstance(self.scrub_every_s, bool)
-            or self.scrub_every_s < 0
+            isinstance(self.min_write_shards, bool)
+            or not isinstance(self.min_write_shards, int)
+            or not (
+                self.min_write_shards == 0
+                or self.data_shards <= self.min_write_shards <= self.stripe_width
+            )
         ):
             raise ConfigError(
-                "scrub_every_s", f"must be >= 0 seconds (0 = never), got {self.scrub_every_s!r}"
+                "min_write_shards",
+                f"must be 0 (k + 1) or an integer in [data_shards, data_shards + parity_shards]"
+                f" = [{self.data_shards}, {self.stripe_width}], got {self.min_write_shards!r}",
+            )
+        for name in ("repair_bytes_per_s", "repair_stripes_per_round", "repair_round_bytes"):
+            _positive_int(name, getattr(self, name))
+        _non_negative_int("scrub_bytes_per_s", self.scrub_bytes_per_s)
+        unknown = [name for name in self.repair_class_order if name not in self.traffic_classes]
+        if unknown or len(set(self.repair_class_order)) != len(self.repair_class_order):
+            raise ConfigError(
+                "repair_class_order",
+                f"must list distinct traffic classes (known: {list(self.traffic_classes)}), "
+                f"got {list(self.repair_class_order)}",
             )
         _non_negative_int("tombstones", self.tombstones)
         if not isinstance(self.node, StorageNodeConfig):
@@ -176,10 +210,27 @@ class BlockStoreConfig:
             raise ConfigError("data_root", "must name a directory")
         if not self.deployment or not self.deployment.replace("-", "").isalnum():
             raise ConfigError("deployment", f"must be alphanumeric/dashes, got {self.deployment!r}")
+        self._check_domains()
+
+    def _check_domains(self) -> None:
+        domains = self.failure_domains
+        if not domains:
+            return
+        if len(domains) != self.storage_nodes or not all(isinstance(d, str) for d in domains):
+            raise ConfigError(
+                "failure_domains",
+                f"must name the domain of each of the {self.storage_nodes} storage nodes, "
+                f"got {len(domains)} entries",
+            )
 
     @property
     def stripe_width(self) -> int:
         return self.data_shards + self.parity_shards
+
+    @property
+    def write_quorum(self) -> int:
+        """Fewest shards a put commits (``min_write_shards``, 0 meaning k + 1)."""
+        return self.min_write_shards or min(self.data_shards + 1, self.stripe_width)
 
     def class_id(self, name: str) -> int:
         try:
@@ -193,6 +244,18 @@ class BlockStoreConfig:
         if 0 <= class_id < len(self.traffic_classes):
             return self.traffic_classes[class_id]
         return f"class-{class_id}"
+
+    def repair_rank(self) -> list[int]:
+        """Repair priority of each class id (0 = repaired first among stripes that lost as
+        many shards): ``repair_class_order``, or the built-in TTLs longest first, then the
+        remaining classes in id order."""
+        order = list(self.repair_class_order)
+        if not order:
+            ttl = dict(DEFAULT_TTL)
+            known = [name for name in self.traffic_classes if name in ttl]
+            order = sorted(known, key=lambda name: -ttl[name])
+        order += [name for name in self.traffic_classes if name not in order]
+        return [order.index(name) for name in self.traffic_classes]
 
     def with_overrides(self, **changes: Any) -> BlockStoreConfig:
         return replace(self, **changes)
@@ -211,8 +274,9 @@ class BlockStoreConfig:
             if bad:
                 raise ConfigError(f"node.{sorted(bad)[0]}", "unknown field")
             data["node"] = StorageNodeConfig(**data["node"])
-        if "traffic_classes" in data:
-            data["traffic_classes"] = tuple(data["traffic_classes"])
+        for name in ("traffic_classes", "repair_class_order", "failure_domains"):
+            if name in data:
+                data[name] = tuple(data[name])
         return cls(**data)
 
     @classmethod

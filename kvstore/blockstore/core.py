@@ -1,13 +1,13 @@
 """The state every part of the block client shares: configuration, the fanout, node health
-(which nodes failed and when to try them again, their latency), and the plumbing of waiting
-for many calls at once. The read path (``reads.py``) and the write/lookup path (``client.py``)
-build on it."""
+(which nodes failed and when to try them again, which are draining, their latency), and the
+plumbing of waiting for many calls at once. The read path (``reads.py``) and the write/lookup
+path (``client.py``) build on it."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -16,7 +16,7 @@ import numpy as np
 from kvstore.blockstore.calls import MetaShardCalls, meta_target
 from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.blockstore.fanout import Fanout, Ticket, gather
-from kvstore.blockstore.placement import meta_shard_of
+from kvstore.blockstore.placement import FailureDomains, meta_shard_of
 from kvstore.clock import Clock, SystemClock
 from kvstore.ec import Codec
 from kvstore.errors import (
@@ -27,6 +27,21 @@ from kvstore.keys import BlockKey, check_keys, key_words
 
 #: Weight of the newest sample in a node's moving latency estimate.
 _EWMA = 0.2
+#: Reads of one size class timed before their own percentile sets the hedge delay (until
+#: then: ``hedge_after_s``), and how many recent ones it looks at.
+_HEDGE_MIN_READS = 16
+_HEDGE_WINDOW = 256
+#: The hedge delay never goes below this (in-process or on an idle LAN a p95 can be ~0.1 ms:
+#: hedging every read that is a hair late would only double the calls).
+_HEDGE_FLOOR_S = 0.001
+#: A node is slow (asked only when the others cannot serve) above this multiple of the median
+#: node's latency estimate, and at least this much above the median: in-process or on an idle
+#: LAN the median is tens of microseconds, where one scheduling hiccup doubles a node's
+#: estimate, and reordering over that sends reads to parity shards (a decode) for nothing.
+_SLOW_FACTOR = 2.0
+_SLOW_MARGIN_S = 0.001
+#: The longest skip of a failing node, in ``node_retry_s`` units (8: 40 s at the default).
+_MAX_BACKOFF = 8
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -48,9 +63,24 @@ class ClientCore:
         self._codec = Codec(config.data_shards, config.parity_shards)
         self._k = config.data_shards
         self._width = config.stripe_width
+        #: Hosts holding several nodes (None: every node its own): caps a stripe per host.
+        self._domains = FailureDomains.of_config(config.failure_domains, config.stripe_width)
         self._nodes = list(node_ids if node_ids is not None else range(config.storage_nodes))
         self._retry_at: dict[int, float] = {}
+        #: Slow failures of each node in a row (calls that waited half a call timeout or more,
+        #: no success between): the skip window doubles with each, so a node cut off for long
+        #: (a partitioned host) costs a caller one call timeout now and then, not one every
+        #: ``node_retry_s``. A node that refuses at once (its process died) costs nothing to
+        #: try again and is skipped for ``node_retry_s``, so a restarted node is used again soon.
+        self._failures_in_a_row: dict[int, int] = {}
+        #: Nodes that refused a put as draining, until when writes leave them out (reads do not:
+        #: a draining node still serves what it holds).
+        self._draining_until: dict[int, float] = {}
         self._latency: dict[int, float] = {}
+        #: Recent read durations by size class (``_size_class``): the hedge waits for the
+        #: ``hedge_percentile`` of these.
+        self._read_times: dict[int, deque[float]] = {}
+        self._read_times_lock = threading.Lock()  # a client serves many threads (the gateway)
         self._fetches = 0
         self.counters: dict[str, int] = defaultdict(int)
         # Releases waiting to ride on the next lookup (see ``BlockStoreConfig.release_batch_s``).
@@ -73,21 +103,81 @@ class ClientCore:
         now = time.monotonic()
         return sorted(node for node, until in self._retry_at.items() if until > now)
 
-    def _mark_failed(self, node: int) -> None:
-        self._retry_at[node] = time.monotonic() + self.config.node_retry_s
+    def _mark_failed(self, node: int, waited_s: float = 0.0) -> None:
+        """``node`` failed a call that waited ``waited_s`` for it."""
+        row = 0
+        if waited_s >= 0.5 * self.config.call_timeout_s:
+            row = self._failures_in_a_row.get(node, 0) + 1
+            self._failures_in_a_row[node] = row
+        backoff = min(2 ** max(row - 1, 0), _MAX_BACKOFF)
+        self._retry_at[node] = time.monotonic() + self.config.node_retry_s * backoff
         self.counters["node_failures"] += 1
+
+    def _mark_draining(self, node: int) -> None:
+        """``node`` takes no new shards: leave it out of write placement for ``node_retry_s``
+        (then ask again: a drain may have been called off). Not a failure: reads still use it."""
+        self._draining_until[node] = time.monotonic() + self.config.node_retry_s
+        self.counters["node_draining_refusals"] += 1
+
+    def draining_nodes(self) -> list[int]:
+        now = time.monotonic()
+        return sorted(node for node, until in self._draining_until.items() if until > now)
 
     def _mark_ok(self, node: int, seconds: float) -> None:
         self._retry_at.pop(node, None)
+        self._failures_in_a_row.pop(node, None)
         self._note_latency(node, seconds)
 
-    def _note_latency(self, node: int, seconds: float) -> None:
-        """Fold one call's latency (or a lower bound of it: a call given up) into the node's
-        moving estimate."""
+    def slow_nodes(self) -> set[int]:
+        """Nodes much slower than the median (see ``_SLOW_FACTOR``): reads ask them last."""
+        latency = dict(self._latency)  # a copy: the gateway's threads add nodes meanwhile
+        if len(latency) < 2:
+            return set()
+        median = float(np.median(list(latency.values())))
+        threshold = max(_SLOW_FACTOR * median, median + _SLOW_MARGIN_S)
+        return {node for node, v in latency.items() if v > threshold}
+
+    def _note_latency(self, node: int, seconds: float, lower_bound: bool = False) -> None:
+        """Fold one call's latency into the node's moving estimate. A ``lower_bound`` is a call
+        given up because the read completed without it: the node was slower than the nodes
+        asked after it, and its estimate becomes at least that wait at once (never lower: a
+        slow node's probes are given up as soon as their read completes, and folding those
+        short waits in as answers made the node look fast again in the middle of its slow
+        spell, so read after read waited for its hedge). Answers bring it back down."""
         previous = self._latency.get(node)
-        self._latency[node] = (
-            seconds if previous is None else (1 - _EWMA) * previous + (_EWMA * seconds)
-        )
+        if previous is None:
+            self._latency[node] = seconds
+        elif lower_bound:
+            self._latency[node] = max(previous, seconds)
+        else:
+            self._latency[node] = (1 - _EWMA) * previous + _EWMA * seconds
+
+    @staticmethod
+    def _size_class(blocks: int) -> int:
+        """Reads of 1, 2-3, 4-7, ... blocks are timed apart: a batch of 64 takes longer than
+        one block, and must not set the single-block read's hedge."""
+        return max(int(blocks), 1).bit_length()
+
+    def _note_read_time(self, blocks: int, seconds: float) -> None:
+        size_class = self._size_class(blocks)
+        with self._read_times_lock:
+            times = self._read_times.get(size_class)
+            if times is None:
+                times = self._read_times[size_class] = deque(maxlen=_HEDGE_WINDOW)
+            times.append(seconds)
+
+    def _hedge_delay(self, blocks: int) -> float:
+        """How long a read of ``blocks`` blocks waits for its first k shards before asking the
+        other nodes: the ``hedge_percentile`` of recent reads of its size (hedging "after the
+        95th-percentile expected latency", as in Dean & Barroso's *The Tail at Scale*: only
+        the slowest few reads pay for a second request, and a read that meets a newly slow node
+        waits about one normal tail, not a fixed 50 ms); ``hedge_after_s`` until enough reads of
+        that size were timed."""
+        with self._read_times_lock:  # a deque another thread appends to cannot be iterated
+            recent = list(self._read_times.get(self._size_class(blocks), ()))
+        if len(recent) < _HEDGE_MIN_READS:
+            return self.config.hedge_after_s
+        return max(_HEDGE_FLOOR_S, float(np.percentile(recent, self.config.hedge_percentile)))
 
     def _learn_down(self, nodes: Sequence[int]) -> None:
         """Nodes the cluster declared dead: skip them without trying first."""
@@ -98,6 +188,11 @@ class ClientCore:
     def _live_nodes(self) -> list[int]:
         down = set(self.down_nodes())
         return [node for node in self._nodes if node not in down]
+
+    def _write_nodes(self) -> list[int]:
+        """The nodes new shards may go to: live and not known to be draining."""
+        draining = set(self.draining_nodes())
+        return [node for node in self._live_nodes() if node not in draining]
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -154,5 +249,12 @@ class ClientCore:
         return {
             **self.counters,
             "down_nodes": self.down_nodes(),
+            "draining_nodes": self.draining_nodes(),
+            "slow_nodes": sorted(self.slow_nodes()),
             "latency_ms": {node: round(v * 1e3, 3) for node, v in sorted(self._latency.items())},
+            # By the smallest read size of each class (1, 2, 4, ... blocks).
+            "hedge_delay_ms": {
+                1 << (size_class - 1): round(self._hedge_delay(1 << (size_class - 1)) * 1e3, 3)
+                for size_class in sorted(self._read_times)
+            },
         }

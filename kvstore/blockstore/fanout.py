@@ -141,13 +141,15 @@ def _collect(
 
 
 class LocalFanout:
-    """Runs calls synchronously on plain objects; ``dead`` targets fail, ``hung`` never answer.
-    ``calls`` logs ``(target, method name)`` of every call."""
+    """Runs calls synchronously on plain objects; ``dead`` targets fail, ``hung`` never answer,
+    ``late_once`` never answer their next call and are served normally after it (a node slow
+    for one read). ``calls`` logs ``(target, method name)`` of every call."""
 
     def __init__(self, targets: Mapping[Target[Any], object]) -> None:
         self.targets: dict[Target[Any], object] = dict(targets)
         self.dead: set[Target[Any]] = set()
         self.hung: set[Target[Any]] = set()
+        self.late_once: set[Target[Any]] = set()
         self.calls: list[tuple[Target[Any], str]] = []
         self._outcomes: dict[Ticket[Any], tuple[bool, Any]] = {}
         self._never: set[Ticket[Any]] = set()
@@ -171,7 +173,8 @@ class LocalFanout:
     ) -> Ticket[R]:
         target, method = ticket.target, ticket.method
         self.calls.append((target, method))
-        if target in self.hung:
+        if target in self.hung or target in self.late_once:
+            self.late_once.discard(target)
             self._never.add(ticket)
             return ticket
         if target in self.dead or target not in self.targets:

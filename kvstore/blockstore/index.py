@@ -52,7 +52,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import KEY_BYTES, BlockKey, key_words, words_to_keys
+from kvstore.keys import BlockKey, key_words, words_to_keys
 
 _native: ModuleType | None
 try:  # the probe loop in C; without a compiler at install, the numpy reference serves
@@ -553,12 +553,17 @@ class BlockIndex:
         self._placement[array[0], int(shard_index)] = self._check_node(node_id, "node_id")
 
     def remove(
-        self, keys: Sequence[BlockKey] | np.ndarray, unless_leased_at: float | None = None
+        self,
+        keys: Sequence[BlockKey] | np.ndarray,
+        unless_leased_at: float | None = None,
+        unless_used_after: float | None = None,
     ) -> BlockRecords:
         """Remove blocks; returns the records of those removed (absent keys are skipped).
 
         With ``unless_leased_at=now``, blocks leased at ``now`` are kept and not returned, so a
-        caller checks leases and removes in one step."""
+        caller checks leases and removes in one step. With ``unless_used_after=t``, so are
+        blocks last accessed after ``t`` (an evictor that chose them as least recently used at
+        ``t`` must not evict one a reader has used since)."""
         keys4 = keys_to_array(keys)
         if keys4.shape[0] == 0:
             return self.get(np.zeros(0, dtype=np.int64))
@@ -570,6 +575,9 @@ class BlockIndex:
         if unless_leased_at is not None and rows.size:
             free = ~self.is_leased(rows, unless_leased_at)
             rows, slots = rows[free], slots[free]
+        if unless_used_after is not None and rows.size:
+            unused = self._last[rows] <= unless_used_after
+            rows, slots = rows[unused], slots[unused]
         removed = self.get(rows)
         self._table[slots] = _TOMBSTONE
         self._class[rows] = FREE_CLASS
@@ -684,6 +692,42 @@ class BlockIndex:
         on_node = (self._placement[:high] == node).any(axis=1)
         return np.flatnonzero(on_node & self._live_mask())
 
+    def shard_shortfall(
+        self,
+        bad_nodes: Sequence[int],
+        moving_nodes: Sequence[int] = (),
+        rows: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, lost, moving) of the live rows (of ``rows``, or all) that miss a shard or hold
+        one on a moving node: ``lost`` counts shards recorded lost (-1) or on ``bad_nodes``,
+        ``moving`` those on ``moving_nodes`` (a drain). Vectorised, in chunks (bounded memory)."""
+        bad = np.asarray([_NO_NODE, *(self._check_node(n, "bad_nodes") for n in bad_nodes)])
+        moving = np.asarray([self._check_node(n, "moving_nodes") for n in moving_nodes])
+        if rows is None:
+            rows = self.live_rows()
+        else:
+            rows = np.asarray(rows, dtype=np.int64)
+            inside = rows[(rows >= 0) & (rows < self._high)]
+            rows = inside[self._class[inside] != FREE_CLASS]
+        found, lost_out, moving_out = [], [], []
+        for start in range(0, rows.size, 1 << 16):
+            chunk = rows[start : start + (1 << 16)]
+            placement = self._placement[chunk]
+            lost = np.isin(placement, bad).sum(axis=1)
+            move = np.isin(placement, moving).sum(axis=1) if moving.size else np.zeros_like(lost)
+            keep = (lost > 0) | (move > 0)
+            found.append(chunk[keep])
+            lost_out.append(lost[keep])
+            moving_out.append(move[keep])
+        if not found:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty
+        return (
+            np.concatenate(found).astype(np.int64),
+            np.concatenate(lost_out).astype(np.int64),
+            np.concatenate(moving_out).astype(np.int64),
+        )
+
     def total_bytes(self) -> int:
         """Sum of block sizes."""
         return int(self._size[: self._high][self._live_mask()].sum(dtype=np.int64))
@@ -705,87 +749,17 @@ class BlockIndex:
             result[class_id] = values[classes == class_id].sum(dtype=np.int64)
         return result
 
-    # --- snapshots -------------------------------------------------------------------------
+    # --- snapshots (kvstore.blockstore.indexsnapshot) ------------------------------------
 
     def to_table(self) -> pa.Table:
         """Every live block as a pyarrow Table (one row per block, rows in ascending order)."""
-        rows = self.live_rows()
-        placement = self._placement[rows].astype(np.int32)
-        placement[placement == _NO_NODE] = -1
-        keys = pa.FixedSizeBinaryArray.from_buffers(
-            pa.binary(KEY_BYTES), len(rows), [None, pa.py_buffer(self._key[rows].tobytes())]
-        )
-        placements = pa.FixedSizeListArray.from_arrays(
-            pa.array(placement.reshape(-1), type=pa.int32()), self._width
-        )
-        schema_metadata = {
-            b"format": SNAPSHOT_FORMAT.encode(),
-            b"stripe_width": b"%d" % self._width,
-        }
-        return pa.table(
-            {
-                "key": keys,
-                "placement": placements,
-                "size": pa.array(self._size[rows].astype(np.int64)),
-                "class": pa.array(self._class[rows]),
-                "created": pa.array(self._created[rows].astype(np.float64)),
-                "last_access": pa.array(self._last[rows]),
-                "lease_until": pa.array(self._lease_until[rows].astype(np.float64)),
-                "lease_count": pa.array(self._lease_count[rows].astype(np.int32)),
-            }
-        ).replace_schema_metadata(schema_metadata)
+        from kvstore.blockstore.indexsnapshot import index_to_table
+
+        return index_to_table(self)
 
     @classmethod
     def from_table(cls, table: pa.Table) -> BlockIndex:
         """Rebuild an index from ``to_table``'s output (row numbers are not preserved)."""
-        required = (
-            "key",
-            "placement",
-            "size",
-            "class",
-            "created",
-            "last_access",
-            "lease_until",
-            "lease_count",
-        )
-        missing = [name for name in required if name not in table.column_names]
-        if missing:
-            raise InvalidArgument("table", f"missing column(s) {', '.join(missing)}")
-        metadata = table.schema.metadata or {}
-        if metadata.get(b"format", SNAPSHOT_FORMAT.encode()) != SNAPSHOT_FORMAT.encode():
-            raise InvalidArgument("table", f"not a {SNAPSHOT_FORMAT} snapshot")
-        placement_type = table.schema.field("placement").type
-        if not pa.types.is_fixed_size_list(placement_type):
-            raise InvalidArgument("table.placement", "must be a fixed-size list of node ids")
-        width = int(placement_type.list_size)
-        if not pa.types.is_fixed_size_binary(table.schema.field("key").type) or (
-            table.schema.field("key").type.byte_width != KEY_BYTES
-        ):
-            raise InvalidArgument("table.key", f"must be fixed_size_binary({KEY_BYTES})")
-        n = table.num_rows
-        index = cls(stripe_width=width, initial_capacity=max(1, n))
-        if n == 0:
-            return index
-        key_column = table.column("key").combine_chunks()
-        key_bytes = key_column.buffers()[1]
-        offset = key_column.offset * KEY_BYTES
-        keys = np.frombuffer(key_bytes, dtype=np.uint8)[offset : offset + n * KEY_BYTES]
-        placement_column = table.column("placement").combine_chunks()
-        placements = placement_column.flatten().to_numpy(zero_copy_only=False).reshape(n, width)
+        from kvstore.blockstore.indexsnapshot import index_from_table
 
-        def column(name: str) -> np.ndarray:
-            return table.column(name).to_numpy()
-
-        created = column("created")
-        rows = index.upsert(
-            keys.reshape(n, KEY_BYTES),
-            placements,
-            column("size").astype(np.int64),
-            column("class").astype(np.int64),
-            now=float(created.min()) if n else 0.0,
-        )
-        index._created[rows] = created.astype(np.uint32)
-        index._last[rows] = column("last_access").astype(np.float64)
-        index._lease_until[rows] = column("lease_until").astype(np.uint32)
-        index._lease_count[rows] = column("lease_count").astype(np.uint16)
-        return index
+        return index_from_table(cls, table)

@@ -8,10 +8,11 @@ keys are misses, never errors.
 
 Rebuild rule: a key is restored when at least k committed shards of one write of it are found
 (a write is named by the payload hash every shard of it carries, ``kvstore.ec.shard``, which
-each manifest row lists). A shard is committed only after its writer had all k+m shards
-acknowledged durable (``client.py``), so a writer that died before committing leaves nothing a
-rebuild could resurrect; and a block whose commit was acknowledged to its writer has k+m
-committed shards, of which at most m may be on unreachable nodes, so it is always restored.
+each manifest row lists). A shard is committed only after its writer had at least
+``min_write_shards`` shards acknowledged durable (``client.py``), so a writer that died before
+committing leaves nothing a rebuild could resurrect; and a block whose commit was acknowledged
+to its writer has that many committed shards (k+m, or k+1 for an under-redundant write), of
+which at most that many minus k may be on unreachable nodes for it to be restored.
 
 Not thread-safe: one actor thread (or a lock in the shell) owns one shard.
 """
@@ -30,6 +31,7 @@ from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.blockstore.index import BlockIndex, BlockRecords
 from kvstore.blockstore.placement import meta_shard_of
 from kvstore.blockstore.records import MissReason, PutStatus, RemovedBlock, StripeRecord
+from kvstore.blockstore.repairqueue import RepairQueue
 from kvstore.clock import Clock, SystemClock
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES, BlockKey, check_key, key_words
@@ -111,8 +113,9 @@ class MetaShard:
         #: Releases that rode on a lookup, applied once its reply is out (``after_reply``).
         self._after: list[tuple[Any, Any]] = []
         self._rebuild_sources = 0
-        #: Some placement may hold -1 (a shard lost to corruption, or unseen in a rebuild).
-        self._lost_shards = False
+        #: Stripes to repair, most urgent first (it also knows whether some placement may
+        #: hold -1: a shard lost to corruption, unseen in a rebuild, or never written).
+        self._repair = RepairQueue(self._index, self._k)
         classes = (*self.config.traffic_classes, "unknown")
         self._misses = {name: dict.fromkeys(MissReason.ALL, 0) for name in classes}
         self._counters = {
@@ -199,14 +202,36 @@ class MetaShard:
         sizes: Sequence[int],
         class_id: int,
     ) -> list[bool]:
-        """Insert blocks whose every shard was committed on its node (the visibility point).
+        """Insert blocks whose shards were committed on their nodes (the visibility point).
 
+        A placement may hold -1: a shard not written (an under-redundant stripe, ``client.py``),
+        restored by the repair. Each row must still place at least k shards, on distinct nodes.
         Refused (False) for a key already committed or reserved by another live writer.
         """
         checked = self._keys(keys)
         placement_array = np.asarray(placements, dtype=np.int32).reshape(-1, self._width)
         if placement_array.shape[0] != len(checked) or len(sizes) != len(checked):
             raise InvalidArgument("placements", "must have one row (and size) per key")
+        placed = placement_array >= 0
+        counts = placed.sum(axis=1)
+        short = np.flatnonzero(counts < self._k)
+        if short.size:
+            row = int(short[0])
+            raise InvalidArgument(
+                f"placements[{row}]",
+                f"places {int(counts[row])} shards; a stripe needs at least {self._k} "
+                "(data_shards) to be readable",
+            )
+        # Unplaced entries get distinct negatives so that only a node named twice repeats.
+        ordered = np.sort(np.where(placed, placement_array, -1 - np.arange(self._width)), axis=1)
+        doubled = np.flatnonzero((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))
+        if doubled.size:
+            row = int(doubled[0])
+            raise InvalidArgument(
+                f"placements[{row}]",
+                f"names a node twice ({placement_array[row].tolist()}): a stripe never has two "
+                "shards in one failure domain",
+            )
         now = self._clock.now()
         rows = self._index.find(checked) if checked else np.zeros(0, np.int64)
         accept = []
@@ -226,6 +251,8 @@ class MetaShard:
                 np.full(len(accept), class_id, dtype=np.uint8),
                 now,
             )
+            # Let the repair's scan for lost (-1) shards find the under-redundant stripes.
+            self._lost_shards |= bool((~placed[chosen]).any())
         self._counters["commits"] += len(accept)
         accepted = set(accept)
         return [i in accepted for i in range(len(checked))]
@@ -412,29 +439,37 @@ class MetaShard:
         self._down -= {int(node) for node in up}
         return sorted(self._down)
 
-    def stripes_to_repair(
-        self, dead_nodes: Sequence[int], limit: int, start_row: int = 0
-    ) -> tuple[list[StripeRecord], int]:
-        """Up to ``limit`` stripes (rows >= ``start_row``) with a shard on a dead node or a lost
-        shard (-1), and the row to continue from (0 when this pass is complete)."""
+    @property
+    def _lost_shards(self) -> bool:
+        return self._repair.lost_shards
+
+    @_lost_shards.setter
+    def _lost_shards(self, value: bool) -> None:
+        self._repair.lost_shards = value
+
+    def repair_queue(
+        self,
+        dead_nodes: Sequence[int],
+        draining_nodes: Sequence[int],
+        limit: int,
+        max_bytes: int,
+        class_rank: Sequence[int] = (),
+        refresh: bool = False,
+    ) -> tuple[list[StripeRecord], dict[str, Any]]:
+        """The next stripes to repair, most urgent first (``kvstore.blockstore.repairqueue``):
+        up to ``limit``, about ``max_bytes`` of shards to read at most, with a shard lost (-1
+        or on a dead node) or on a draining node (to move); and the queue's figures (stripes
+        and shard bytes left, by urgency and per draining node). ``refresh`` rescans first."""
         if self._rebuilding or limit <= 0:
-            return [], 0
-        candidates: set[int] = set()
-        for node in {int(node) for node in dead_nodes}:
-            candidates.update(int(row) for row in self._index.rows_on_node(node))
-        if self._lost_shards:  # only scan for lost (-1) shards when some may exist
-            live = self._index.live_rows()
-            lost_any = False
-            for offset in range(0, live.size, 65536):
-                chunk = live[offset : offset + 65536]
-                lost = (self._index.get(chunk).placements < 0).any(axis=1)
-                lost_any |= bool(lost.any())
-                candidates.update(int(row) for row in chunk[lost])
-            self._lost_shards = lost_any
-        chosen = sorted(row for row in candidates if row >= start_row)[:limit]
-        if not chosen:
-            return [], 0
-        records = self._index.get(chosen)
+            return [], {"rebuilding": int(self._rebuilding)}
+        dead = sorted({int(node) for node in dead_nodes})
+        draining = sorted({int(node) for node in draining_nodes} - set(dead))
+        rows, summary = self._repair.take(
+            dead, draining, limit, max_bytes, list(class_rank), self._clock.now(), refresh
+        )
+        if rows.size == 0:
+            return [], summary
+        records = self._index.get(rows)
         stripes = [
             StripeRecord(
                 key=records.keys[i],
@@ -445,15 +480,31 @@ class MetaShard:
             )
             for i in range(len(records))
         ]
-        return stripes, (chosen[-1] + 1 if len(chosen) == limit else 0)
+        return stripes, summary
 
     def set_placements(self, moves: Sequence[tuple[bytes, int, int, int]]) -> list[bool]:
         """Batched compare-and-set of shard locations: (key, shard_index, new node, expected
         node). A move whose shard is no longer on ``expected`` (GC removed the block, another
-        repair won) is refused."""
-        return [
-            self.set_placement(key, index, node, expected) for key, index, node, expected in moves
-        ]
+        repair won) is refused. One index lookup for the batch (repair moves thousands)."""
+        if self._rebuilding or not moves:
+            return [False] * len(moves)
+        rows = self._index.find([check_key(key) for key, _, _, _ in moves])
+        found = np.flatnonzero(rows >= 0)
+        current = np.full((len(moves), self._width), -2, dtype=np.int64)
+        if found.size:
+            current[found] = self._index.locations(rows[found])[0]
+        answers = [False] * len(moves)
+        for position in found.tolist():
+            _key, index, node, expected = moves[position]
+            row = int(rows[position])
+            if int(current[position, int(index)]) != expected:
+                continue
+            self._index.set_placement(row, int(index), int(node))
+            current[rows == row, int(index)] = int(node)  # a later move of the same shard sees it
+            self._lost_shards |= node < 0
+            answers[position] = True
+        self._counters["placement_updates"] += sum(answers)
+        return answers
 
     def set_placement(self, key: bytes, shard_index: int, node_id: int, expected: int) -> bool:
         """Move shard ``shard_index`` of ``key`` to ``node_id`` if it is still on ``expected``."""
@@ -635,11 +686,17 @@ class MetaShard:
             for i in range(len(records))
         ]
 
-    def gc_evict(self, keys: Sequence[bytes], now: float) -> list[RemovedBlock]:
-        """Remove ``keys`` unless leased at ``now`` (checked at removal time)."""
+    def gc_evict(
+        self, keys: Sequence[bytes], now: float, chosen_at: float | None = None
+    ) -> list[RemovedBlock]:
+        """Remove ``keys`` unless leased at ``now`` or, given ``chosen_at`` (when the evictor
+        read them as least recently used), accessed since: a pass takes seconds on a busy tier,
+        and a block hit meanwhile is no longer the one to evict. Checked at removal time."""
         if self._rebuilding or not keys:
             return []
-        removed = self._index.remove([check_key(key) for key in keys], unless_leased_at=now)
+        removed = self._index.remove(
+            [check_key(key) for key in keys], unless_leased_at=now, unless_used_after=chosen_at
+        )
         self._tombstone(removed, MissReason.EVICTED)
         return self._removed(removed, MissReason.EVICTED, now)
 
@@ -666,5 +723,20 @@ class MetaShard:
             "reservations": len(self._reservations),
             "misses": {name: dict(reasons) for name, reasons in self._misses.items()},
             "index_memory_bytes": self._index.memory_bytes(),
+            "under_redundant_stripes": self._under_redundant_stripes(),
             **self._counters,
         }
+
+    def _under_redundant_stripes(self) -> int:
+        """Live stripes with fewer than k+m shards placed on nodes not known dead (a chunk of
+        rows at a time: no Python object per row, and bounded memory on a large index)."""
+        live = self._index.live_rows()
+        down = np.fromiter(self._down, dtype=np.int64, count=len(self._down))
+        count = 0
+        for offset in range(0, live.size, 65536):
+            placements = self._index.locations(live[offset : offset + 65536])[0]
+            healthy = placements >= 0
+            if down.size:
+                healthy &= ~np.isin(placements, down)
+            count += int((healthy.sum(axis=1) < self._width).sum())
+        return count

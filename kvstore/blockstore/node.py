@@ -4,6 +4,8 @@ Disk layout under ``data_dir``::
 
     NODE                 the node id this directory belongs to (a dir is never served as another)
     LOCK                 held (``flock``) by the one process serving the dir (``dirlock.py``)
+    DRAINING             present while the node is draining (``set_draining``): it takes no new
+                         shards; a restarted node is still draining
     segments/<seq>.seg   the log (``segments.py`` owns the format): shard records, commit marks,
                          delete marks, appended; sealed segments end in a footer
 
@@ -16,8 +18,9 @@ policy), its SHARD record and a later COMMIT record naming that record's LSN and
 or a compaction copy of it flagged committed. ``put`` appends SHARD records (pending: not
 readable) and acknowledges once they are on disk; ``commit`` appends the COMMIT records and
 acknowledges once they are on disk; only then is the shard readable. The writer commits only after
-every node of the stripe acknowledged its put (``client.py``), so a committed shard still proves
-its whole stripe was durable, which is what a meta shard's rebuild relies on (``meta.py``). A
+the put phase ended on every node of the stripe, with at least ``min_write_shards`` of them
+acknowledging (``client.py``), so a committed shard still proves its stripe was durable with at
+least that many shards, which is what a meta shard's rebuild relies on (``meta.py``). A
 writer killed mid-put leaves pending records only: never readable, dropped from the index after
 ``orphan_grace_s`` (``reclaim_orphans``), their bytes reclaimed by compaction.
 
@@ -41,19 +44,21 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from kvstore.blockstore.capacity import NodeDisk, allocated_bytes
+from kvstore.blockstore.compaction import Compaction
 from kvstore.blockstore.config import StorageNodeConfig
 from kvstore.blockstore.dirlock import DirLock
 from kvstore.blockstore.placement import meta_shard_of
 from kvstore.blockstore.segments import (
     COMMIT,
     DELETE,
-    FLAG_COMMITTED,
     RECORD_BYTES,
     SEGMENT_HEADER_BYTES,
     SHARD,
@@ -61,7 +66,6 @@ from kvstore.blockstore.segments import (
     entries_for,
     header_ok,
     open_segment,
-    record_header,
     record_headers,
     segment_files,
     segment_name,
@@ -69,13 +73,14 @@ from kvstore.blockstore.segments import (
 from kvstore.blockstore.shardindex import ShardIndex
 from kvstore.clock import Clock, SystemClock
 from kvstore.ec.shard import parse_shard
-from kvstore.errors import ConfigError, CorruptShard, InvalidArgument, StoreError
+from kvstore.errors import ConfigError, CorruptShard, InvalidArgument, NodeDraining, StoreError
 from kvstore.keys import KEY_BYTES, BlockKey, check_key
 from kvstore.privatefs import PrivateDir
 
 log = logging.getLogger(__name__)
 
 _NODE = "NODE"
+_DRAINING = "DRAINING"
 
 MANIFEST_SCHEMA = pa.schema(
     [
@@ -92,7 +97,7 @@ MANIFEST_SCHEMA = pa.schema(
 )
 
 
-class StorageNode:
+class StorageNode(Compaction):
     """The shards of one failure domain."""
 
     def __init__(
@@ -113,6 +118,7 @@ class StorageNode:
         self._root = PrivateDir.open(data_dir, "data_dir", check_parent=True)
         self._lock = DirLock.take(self._root, f"storage node {node_id}", lock_timeout_s)
         self._check_owner()
+        self._draining = self._read_draining()
         self._segdir = self._root.subdir("segments")
         self._disk = NodeDisk.of(
             self._root.fd, self.config.disk_reserve_fraction, self.config.disk_reserve_bytes
@@ -135,6 +141,9 @@ class StorageNode:
             "get_missing": 0,
             "deletes": 0,
             "corrupt_found": 0,
+            "scrubbed_shards": 0,
+            "scrubbed_bytes": 0,
+            "scrub_passes": 0,
             "orphans_reclaimed": 0,
             "bytes_written": 0,
             "bytes_read": 0,
@@ -142,8 +151,11 @@ class StorageNode:
             "bytes_compacted": 0,
             "damaged_records": 0,
         }
+        started = time.monotonic()
         self._replay()
         self._open = self._open_segment_for_appends()
+        #: How long reading the log took at start (a restart's share that is the node's own).
+        self._replay_s = time.monotonic() - started
 
     # --- start-up --------------------------------------------------------------------------
 
@@ -170,6 +182,45 @@ class StorageNode:
                 self.node_id,
                 self._root.path,
             )
+
+    def _read_draining(self) -> bool:
+        try:
+            status = self._root.lstat(_DRAINING)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(status.st_mode):
+            # Refuse to guess: serving puts from a node an operator meant to drain (or the
+            # reverse) is worse than not starting.
+            raise ConfigError(
+                "data_dir", f"{self._root.path / _DRAINING} is not a regular file; remove it"
+            )
+        return True
+
+    # --- draining --------------------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        """The node takes no new shards (``put`` raises ``NodeDraining``); it still commits,
+        serves, aborts and deletes what it holds."""
+        return self._draining
+
+    def set_draining(self, flag: bool) -> bool:
+        """Start (True) or end (False) a drain; returns the new state. Durable whatever the
+        fsync policy (file and directory synced): a drain is an operator's decision, and a
+        node that forgot it on restart would take new shards meant to go elsewhere."""
+        if not isinstance(flag, bool):
+            raise InvalidArgument("flag", f"must be a bool, got {flag!r}")
+        if flag and not self._draining:
+            self._root.write_atomically(
+                _DRAINING, [f"storage node {self.node_id} is draining\n".encode()], sync=True
+            )
+        elif not flag and self._draining:
+            self._root.remove(_DRAINING)
+            self._root.fsync()
+        if flag != self._draining:
+            log.info("node %d: %s draining", self.node_id, "started" if flag else "stopped")
+        self._draining = flag
+        return flag
 
     def _replay(self) -> None:
         """Rebuild the index from the log (see the module doc)."""
@@ -248,12 +299,19 @@ class StorageNode:
 
         A shard is refused (False) when it fails its checksum, does not belong to its key, or
         the node is full. Nothing becomes readable before ``commit``. The batch is one append
-        (headers built at once) and at most one flush.
+        (headers built at once) and at most one flush. A draining node refuses the whole batch
+        with ``NodeDraining`` (the writer places the shards elsewhere).
         """
         count = len(keys)
         for name, values in (("shards", shards), ("class_ids", class_ids), ("created", created)):
             if len(values) != count:
                 raise InvalidArgument(name, f"has {len(values)} entries for {count} keys")
+        if self._draining:
+            self._counters["put_refused"] += count
+            raise NodeDraining(
+                f"storage node {self.node_id} is draining: it takes no new shards "
+                "(it still serves reads, commits and deletes)"
+            )
         now = self._clock.now()
         room = self._room()
         positions: list[int] = []
@@ -479,6 +537,11 @@ class StorageNode:
     def ping(self) -> int:
         return self.node_id
 
+    def status(self) -> dict[str, int]:
+        """What the repair loop's health check learns: the node answers, and whether it is
+        draining (a drain outlives restarts of the node and of the repair loop)."""
+        return {"node_id": self.node_id, "draining": int(self.draining)}
+
     def close(self) -> None:
         """Stop serving (the open segment stays unsealed: a restart scans its tail)."""
         for segment in self._segments.values():
@@ -510,10 +573,16 @@ class StorageNode:
             "segments": len(self._segments),
             "live_bytes": live,
             "dead_bytes": max(0, self._disk_bytes() - live),
+            "draining": int(self._draining),
         }
 
     def stats(self) -> dict[str, object]:
-        return {**self.usage(), **self._counters, "pid": os.getpid()}
+        return {
+            **self.usage(),
+            **self._counters,
+            "replay_s": round(self._replay_s, 3),
+            "pid": os.getpid(),
+        }
 
     def manifest(
         self, meta_shard: int | None = None, num_meta_shards: int | None = None
@@ -546,32 +615,51 @@ class StorageNode:
 
     # --- scrub, orphans, compaction --------------------------------------------------------
 
-    def scrub(self, limit: int = 1024) -> dict[str, object]:
-        """Verify up to ``limit`` committed shards (round robin across calls).
+    def scrub(self, limit: int = 1024, budget_bytes: int | None = None) -> dict[str, object]:
+        """Verify committed shards, round robin across calls: up to ``limit`` of them and, with
+        ``budget_bytes``, until that many record bytes were read (at least one shard a call,
+        so a budget smaller than a record still makes progress).
 
         A corrupt shard is forgotten (with a DELETE mark): readers then see it missing and the
-        repair re-creates it. Returns ``checked`` and ``corrupt`` [(key, shard_index)].
+        repair re-creates it. Returns ``checked``, ``bytes``, ``passes`` (times the round robin
+        has wrapped, ever) and ``corrupt`` [(key, shard_index)].
         """
         corrupt, self._damaged = self._damaged, []  # found missing by reads since
         keys = list(self._committed)
-        chosen: list[bytes] = []
+        checked = 0
+        read = 0
+        bad: list[bytes] = []
         if keys:
             start = self._scrub_cursor % len(keys)
-            chosen = (keys[start:] + keys[:start])[: max(0, limit)]
-            self._scrub_cursor = start + len(chosen)
-        bad: list[bytes] = []
-        for key in chosen:
-            row = self._committed[key]
-            index = self._index.get("index", row)
-            try:
-                self._check_record(key, row)
-            except CorruptShard as error:
-                log.warning("node %d: scrub found %s corrupt: %s", self.node_id, key.hex(), error)
-                bad.append(key)
-                corrupt.append((key, index))
+            for step in range(min(max(0, limit), len(keys))):
+                if budget_bytes is not None and step and read >= budget_bytes:
+                    break
+                key = keys[(start + step) % len(keys)]
+                row = self._committed[key]
+                index = self._index.get("index", row)
+                read += self._index.record_bytes(row)
+                checked += 1
+                try:
+                    self._check_record(key, row)
+                except CorruptShard as error:
+                    log.warning(
+                        "node %d: scrub found %s corrupt: %s", self.node_id, key.hex(), error
+                    )
+                    bad.append(key)
+                    corrupt.append((key, index))
+            if start + checked >= len(keys):
+                self._counters["scrub_passes"] += 1
+            self._scrub_cursor = (start + checked) % len(keys)
         self._forget(bad)
         self._counters["corrupt_found"] += len(corrupt)
-        return {"checked": len(chosen), "corrupt": corrupt}
+        self._counters["scrubbed_shards"] += checked
+        self._counters["scrubbed_bytes"] += read
+        return {
+            "checked": checked,
+            "bytes": read,
+            "passes": self._counters["scrub_passes"],
+            "corrupt": corrupt,
+        }
 
     def _check_record(self, key: bytes, row: int) -> None:
         """Verify one committed shard's whole record, header and body (``CorruptShard``)."""
@@ -640,135 +728,11 @@ class StorageNode:
         self._counters["orphans_reclaimed"] += deleted + len(stale_pending)
         return {"pending_reclaimed": len(stale_pending), "committed_reclaimed": deleted}
 
-    def compact(self, budget_bytes: int) -> dict[str, int]:
-        """Move up to ``budget_bytes`` of live records out of sealed segments whose live share
-        fell under ``compact_live_fraction`` (the emptiest first) into the open segment, and
-        remove each segment once emptied; resumes where the last call stopped."""
-        moved = removed = 0
-        while moved < budget_bytes:
-            if self._compacting is None:
-                seq = self._compaction_candidate()
-                if seq is None:
-                    break
-                self._compacting = (seq, 0)
-            seq, start = self._compacting
-            step, finished = self._move_records(seq, start, budget_bytes - moved)
-            moved += step
-            if not finished:
-                break
-            self._remove_segment(seq)
-            removed += 1
-        self._counters["bytes_compacted"] += moved
-        self._counters["segments_compacted"] += removed
-        return {"bytes_moved": moved, "segments_removed": removed}
-
-    def _compaction_candidate(self) -> int | None:
-        shares = {
-            seq: self._live[seq] / segment.size
-            for seq, segment in self._segments.items()
-            if segment.sealed and segment is not self._open
-        }
-        below = [seq for seq, share in shares.items() if share < self.config.compact_live_fraction]
-        return min(below, key=shares.__getitem__) if below else None
-
-    def _move_records(self, seq: int, start: int, budget: int) -> tuple[int, bool]:
-        """Copy live records of segment ``seq`` from entry ``start`` on, up to ``budget``
-        bytes; returns (bytes copied, whether the segment holds nothing live any more)."""
-        segment = self._segments[seq]
-        entries = segment.all_entries()
-        others = [s.all_entries() for q, s in self._segments.items() if q != seq]
-        shard_lsns = np.concatenate(
-            [e["record"]["lsn"][e["record"]["kind"] == SHARD] for e in others]
-            or [np.zeros(0, np.uint64)]
-        )
-        marks_live = np.isin(entries["record"]["target_lsn"], shard_lsns)
-        copies: list[tuple[int | None, bytes, np.ndarray | None]] = []  # (row, head, body)
-        size = 0
-        position = start
-        while position < len(entries) and size < budget:
-            entry = entries[position]
-            record = entry["record"]
-            head = record.tobytes()
-            if record["kind"] == SHARD:
-                offset = int(entry["offset"])
-                found = self._index.live_row(
-                    seq, offset, bytes(record["key"]), int(record["token"])
-                )
-                body = np.empty(int(record["body_len"]), np.uint8)
-                if found is not None and segment.read(
-                    offset + RECORD_BYTES,
-                    body.size,
-                    memoryview(body),  # type: ignore[arg-type]
-                ):
-                    row, committed = found
-                    if committed:
-                        head = _committed_copy(record, body.size)
-                    copies.append((row, head, body))
-                    size += RECORD_BYTES + body.size
-            elif marks_live[position]:
-                copies.append((None, head, None))
-                size += RECORD_BYTES
-            position += 1
-        if copies:
-            offset = self._start_batch(size)
-            parts: list[object] = []
-            offsets: list[int] = []
-            for _, head, copied in copies:
-                offsets.append(offset)
-                parts += (head,) if copied is None else (head, copied)
-                offset += len(head) + (0 if copied is None else copied.size)
-            heads = b"".join(head for _, head, _ in copies)
-            bodies = [b"" if copied is None else copied for _, _, copied in copies]
-            target = self._open
-            try:
-                target.append(parts, [entries_for(offsets, heads, bodies)], self._syncs)
-            except OSError as error:
-                log.warning("node %d: compacting segment %d failed: %s", self.node_id, seq, error)
-                return 0, False
-            offset = target.size - size
-            columns = self._index.columns
-            for moved, _, copied in copies:
-                record_bytes = RECORD_BYTES + (0 if copied is None else copied.size)
-                if moved is not None:
-                    self._live[seq] -= record_bytes
-                    self._live[target.seq] += record_bytes
-                    columns["seg"][moved] = target.seq
-                    columns["offset"][moved] = offset
-                offset += record_bytes
-        finished = position >= len(entries)
-        self._compacting = None if finished else (seq, position)
-        return size, finished
-
-    def _remove_segment(self, seq: int) -> None:
-        segment = self._segments.pop(seq)
-        del self._live[seq]
-        segment.close()
-        self._segdir.remove(segment_name(seq))
-        if self.config.fsync == "always":
-            self._segdir.fsync()
-
 
 def _raw_word(payload_hash: int) -> int:
     """A codec payload hash (the int of its big-endian bytes) as the index column keeps it: its
     raw 8 bytes read as a little-endian word, so the column's bytes are the hash's bytes."""
     return int.from_bytes(payload_hash.to_bytes(8, "big"), "little")
-
-
-def _committed_copy(record: np.void, body_len: int) -> bytes:
-    """The header of a compaction copy of a committed SHARD record: the same fields and LSN,
-    flagged committed (its COMMIT record may be compacted away)."""
-    return record_header(
-        SHARD,
-        int(record["lsn"]),
-        bytes(record["key"]),
-        token=int(record["token"]),
-        class_id=int(record["class_id"]),
-        index=int(record["index"]),
-        flags=FLAG_COMMITTED,
-        created=float(record["created"]),
-        stamp=float(record["stamp"]),
-        body_len=body_len,
-    )
 
 
 def split_shards(batch: tuple[np.ndarray, np.ndarray]) -> list[np.ndarray | None]:

@@ -9,8 +9,13 @@ Why this scheme:
 - minimal movement: a node joining or leaving only changes stripes that scored it in their top
   ``width`` — and we never move existing stripes anyway: the chosen placement is recorded in the
   meta index at commit time, so later membership changes affect only new writes and repairs;
-- one stripe never has two shards in one failure domain: node ids are distinct domains and the
-  top-``width`` set has no duplicates by construction.
+- one stripe never has two shards on one node (the top-``width`` set has no duplicates), and
+  where several nodes share a host (``FailureDomains``: fewer hosts than nodes), at most
+  ceil(width / hosts) on one host: the best-scoring nodes are taken in order, skipping a node
+  whose host already holds that many of the stripe's shards. With 7 hosts a stripe has at most
+  2 shards on a host, so losing any host loses at most m = 2 of them. The cap gives way only
+  where the live hosts cannot hold a whole stripe under it (then it rises by one until they
+  can): a stripe with all its shards, a few hosts holding one more, beats a stripe left short.
 
 Scores are splitmix64 mixes of a little-endian word of the key and a per-node salt, computed for
 a whole batch with numpy (no Python loop per pair).
@@ -72,6 +77,51 @@ def _scores(keys: Sequence[bytes], nodes: np.ndarray) -> np.ndarray:
     return _splitmix64(key_part[:, None] ^ _node_salts(nodes)[None, :])
 
 
+class FailureDomains:
+    """Which failure domain (host) each storage node is in, and the most shards of one stripe
+    a domain may hold: ceil(width / domains), counting every domain the deployment has (a
+    domain down for now still counts: the cap must not loosen when hosts fail)."""
+
+    def __init__(self, labels: Sequence[str], width: int) -> None:
+        names = sorted(set(labels))
+        if not names or width <= 0:
+            raise InvalidArgument("labels", "need at least one domain and a positive width")
+        self.labels = tuple(labels)
+        self.count = len(names)
+        self.cap = -(-width // self.count)
+        #: Domain index of node id i (nodes are 0..len(labels)-1).
+        self._of = np.array([names.index(label) for label in labels], dtype=np.int64)
+
+    @classmethod
+    def of_config(cls, labels: Sequence[str], width: int) -> FailureDomains | None:
+        """The domains ``labels`` (a config's ``failure_domains``) name; None when they cap
+        nothing: every node a domain of its own (no labels, or all distinct), or one domain
+        that may hold a whole stripe anyway."""
+        if not labels:
+            return None
+        domains = cls(labels, width)
+        return None if domains.cap >= width or domains.count == len(labels) else domains
+
+    def of(self, nodes: np.ndarray) -> np.ndarray:
+        """Domain index of each node id in ``nodes`` (same shape)."""
+        nodes = np.asarray(nodes, dtype=np.int64)
+        if nodes.size and (nodes.min() < 0 or nodes.max() >= self._of.size):
+            raise InvalidArgument("nodes", f"node ids must be in [0, {self._of.size})")
+        return self._of[nodes]
+
+    def room(self, nodes: Sequence[int] | np.ndarray, cap: int | None = None) -> int:
+        """Shards of one stripe that ``nodes`` can take at ``cap`` a domain (default: the cap)."""
+        counts = np.bincount(self.of(np.asarray(nodes, dtype=np.int64)), minlength=self.count)
+        return int(np.minimum(counts, self.cap if cap is None else cap).sum())
+
+    def cap_for(self, nodes: Sequence[int] | np.ndarray, width: int) -> int:
+        """The cap, raised as little as needed for ``nodes`` to take ``width`` shards."""
+        cap = self.cap
+        while cap < width and self.room(nodes, cap) < width:
+            cap += 1
+        return cap
+
+
 def _check_nodes(nodes: Sequence[int] | np.ndarray) -> np.ndarray:
     array = np.asarray(nodes, dtype=np.int64).reshape(-1)
     if array.size and (array.min() < 0 or np.unique(array).size != array.size):
@@ -79,11 +129,17 @@ def _check_nodes(nodes: Sequence[int] | np.ndarray) -> np.ndarray:
     return array
 
 
-def place(keys: Sequence[bytes], nodes: Sequence[int] | np.ndarray, width: int) -> np.ndarray:
-    """Placement of each key's stripe: (n, width) int32 node ids, shard i on column i.
+def place(
+    keys: Sequence[bytes],
+    nodes: Sequence[int] | np.ndarray,
+    width: int,
+    domains: FailureDomains | None = None,
+) -> np.ndarray:
+    """Placement of each key's stripe: (n, width) int32 node ids, shard i on column i, at most
+    ``domains.cap_for(nodes, width)`` of them in one domain.
 
-    Raises ``InvalidArgument`` when fewer than ``width`` nodes are given: a stripe never doubles
-    up in a failure domain.
+    Raises ``InvalidArgument`` when fewer than ``width`` nodes are given: a stripe never puts two
+    shards on one node.
     """
     node_array = _check_nodes(nodes)
     if node_array.size < width:
@@ -97,7 +153,16 @@ def place(keys: Sequence[bytes], nodes: Sequence[int] | np.ndarray, width: int) 
     # ~score ascending == score descending; stable sort breaks (practically impossible) ties by
     # node id, so the result is deterministic.
     order = np.argsort(~scores, axis=1, kind="stable")
-    return node_array[order[:, :width]].astype(np.int32)
+    if domains is None:
+        return node_array[order[:, :width]].astype(np.int32)
+    ranked = domains.of(node_array)[order]  # (n, nodes): the domain of each ranked node
+    seen = np.empty_like(ranked)  # how many better-ranked nodes share that domain
+    for domain in np.unique(ranked):
+        mask = ranked == domain
+        seen[mask] = (np.cumsum(mask, axis=1) - 1)[mask]
+    allowed = seen < domains.cap_for(node_array, width)
+    first = np.argsort(~allowed, axis=1, kind="stable")[:, :width]  # first `width` allowed
+    return node_array[np.take_along_axis(order, first, axis=1)].astype(np.int32)
 
 
 def replacement(
@@ -114,3 +179,66 @@ def replacement(
         return None
     scores = _scores([key], candidates)[0]
     return int(candidates[int(np.argmax(scores))])
+
+
+def replacements(
+    keys: Sequence[bytes],
+    nodes: Sequence[int] | np.ndarray,
+    placements: np.ndarray,
+    wanted: np.ndarray,
+    domains: FailureDomains | None = None,
+) -> np.ndarray:
+    """``replacement`` for many stripes at once: for each stripe ``i`` and each shard index
+    with ``wanted[i, j]``, in index order, the best node of ``nodes`` outside ``placements[i]``
+    and outside the ones already chosen for it, in a domain holding fewer than ``domains.cap``
+    of the stripe's kept and chosen shards (where none is, the cap rises by one for what is
+    left, up to the width); -1 where no node is left. (n, width) int64."""
+    node_array = np.sort(_check_nodes(nodes))
+    wanted = np.asarray(wanted, dtype=bool)
+    out = np.full(wanted.shape, -1, dtype=np.int64)
+    if len(keys) == 0 or node_array.size == 0:
+        return out
+    placements = np.asarray(placements)
+    scores = _scores(keys, node_array)
+    taken = (placements[:, :, None] == node_array[None, None, :]).any(axis=1)
+    if domains is None:
+        _choose(scores, taken, wanted, out, node_array, None)
+        return out
+    node_domain = domains.of(node_array)
+    kept = ~wanted & (placements >= 0)
+    held = np.zeros((placements.shape[0], domains.count), dtype=np.int64)
+    rows, columns = np.nonzero(kept)
+    np.add.at(held, (rows, domains.of(placements[rows, columns])), 1)
+    for cap in range(domains.cap, wanted.shape[1] + 1):
+        left = wanted & (out < 0)
+        if not left.any():
+            break
+        _choose(scores, taken, left, out, node_array, (held, node_domain, cap))
+    return out
+
+
+def _choose(
+    scores: np.ndarray,
+    taken: np.ndarray,
+    wanted: np.ndarray,
+    out: np.ndarray,
+    node_array: np.ndarray,
+    capped: tuple[np.ndarray, np.ndarray, int] | None,
+) -> None:
+    """Fill ``out[i, j]`` for each ``wanted[i, j]``, index by index: the best node not ``taken``
+    by stripe ``i`` (and, ``capped`` = (shards each domain holds of each stripe, each node's
+    domain, cap), in a domain under the cap); both are updated with every choice."""
+    for index in range(wanted.shape[1]):
+        rows = np.flatnonzero(wanted[:, index])
+        if rows.size == 0:
+            continue
+        blocked = taken[rows]
+        if capped is not None:
+            held, node_domain, cap = capped
+            blocked = blocked | (held[rows][:, node_domain] >= cap)
+        best = np.argmax(np.where(blocked, np.uint64(0), scores[rows]), axis=1)
+        free = ~blocked[np.arange(rows.size), best]  # all blocked: argmax fell on one
+        out[rows[free], index] = node_array[best[free]]
+        taken[rows[free], best[free]] = True
+        if capped is not None:
+            np.add.at(held, (rows[free], node_domain[best[free]]), 1)

@@ -2,10 +2,11 @@
 
 Read rule: ask the k fastest nodes holding shards of each block (data shards first, so the
 common case is a plain concatenation), one call per node per batch; shards still missing after
-``hedge_after_s`` (slow nodes) or at once (failed nodes) are asked of the remaining nodes. A
-block is decoded from any k shards that agree on its payload hash and checked against it; a
-block that cannot be is a miss. Node failures never escape as exceptions. Every shard comes
-from its storage node's answer, so a node's death or slowness is seen by every read.
+the hedge delay (``ClientCore._hedge_delay``: slow nodes) or at once (failed nodes) are asked
+of the remaining nodes. A block is decoded from any k shards that agree on its payload hash
+and checked against it; a block that cannot be is a miss. Node failures never escape as
+exceptions. Every shard comes from its storage node's answer, so a node's death or slowness is
+seen by every read.
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ from kvstore.errors import (
 )
 from kvstore.keys import BlockKey
 
-#: A node slower than this multiple of the median is asked only when others cannot serve.
-_SLOW_FACTOR = 2.0
 #: One read in this many times each node's answer separately (the others wait for all at once).
 _LATENCY_SAMPLE_EVERY = 8
 
@@ -118,22 +117,6 @@ class BlockReads(ClientCore):
                     )
         return out
 
-    def _hedge_delay(self) -> float:
-        """Wait this long for the first k before asking the others: ``hedge_after_s`` or twice
-        the typical call latency, whichever is longer (a loaded machine is slow everywhere;
-        hedging then only adds load)."""
-        known = list(self._latency.values())
-        typical = float(np.median(known)) if known else 0.0
-        return max(self.config.hedge_after_s, 2.0 * typical)
-
-    def _slow_nodes(self) -> set[int]:
-        """Nodes much slower than the median: asked only when the others cannot serve."""
-        known = list(self._latency.values())
-        if len(known) < 2:
-            return set()
-        median = float(np.median(known))
-        return {node for node, v in self._latency.items() if v > _SLOW_FACTOR * median}
-
     @staticmethod
     def _rank(
         placement: Sequence[int], asked: set[int], down: set[int], slow: set[int]
@@ -191,9 +174,10 @@ class BlockReads(ClientCore):
         n = len(locations)
         shards: list[list[np.ndarray | None]] = [[None] * self._width for _ in range(n)]
         asked: list[set[int]] = [set() for _ in range(n)]
+        answered: list[set[int]] = [set() for _ in range(n)]  # calls that came back (or failed)
         have = np.zeros(n, dtype=np.int64)
         outstanding = np.zeros(n, dtype=np.int64)
-        slow = self._slow_nodes()
+        slow = self.slow_nodes()
         calls: dict[Ticket[tuple[np.ndarray, np.ndarray]], _Call] = {}
 
         def ask(wanted: dict[int, int]) -> None:
@@ -222,7 +206,8 @@ class BlockReads(ClientCore):
 
         ask({p: self._k for p in range(n)})
         start = time.monotonic()  # after submitting: an in-process fanout answers while asked
-        hedge_at = start + self._hedge_delay()
+        located = sum(1 for location in locations if location is not None)
+        hedge_at = start + self._hedge_delay(located)
         deadline = start + self.config.call_timeout_s
         hedged = False
         self._fetches += 1
@@ -242,10 +227,33 @@ class BlockReads(ClientCore):
                 key = locations[position].key  # type: ignore[union-attr]
                 ticket = self._fanout.submit(node_target(node), StorageNodeCalls.get, [key])
                 calls[ticket] = _Call(node, [(position, index)], time.monotonic())
+
+        def take(ready: list[Ticket[tuple[np.ndarray, np.ndarray]]]) -> None:
+            """Fold the answers of ``ready`` calls in (a failed node counts as down)."""
+            for ticket in ready:
+                call = calls.pop(ticket)
+                try:
+                    answer = _shards(self._fanout.result(ticket), len(call.items))
+                except NodeUnavailable:
+                    self._mark_failed(call.node, time.monotonic() - call.started)
+                    down.add(call.node)
+                    answer = [None] * len(call.items)
+                else:
+                    self._mark_ok(call.node, time.monotonic() - call.started)
+                for (position, index), shard in zip(call.items, answer, strict=True):
+                    outstanding[position] -= 1
+                    answered[position].add(index)
+                    if shard is not None:
+                        shards[position][index] = shard
+                        have[position] += 1
+
         while calls and (have < self._k)[[loc is not None for loc in locations]].any():
             now = time.monotonic()
             if not hedged and now >= hedge_at:
                 hedged = True
+                # Answers that came in count first: a reader descheduled past ``hedge_at`` (a
+                # busy host) must not hedge a read whose shards are only waiting to be taken.
+                take(self._fanout.wait(list(calls), 0.0))
                 late = short(include_outstanding=False)
                 if late:
                     self.counters["hedged_reads"] += 1
@@ -258,31 +266,19 @@ class BlockReads(ClientCore):
             # the nodes need on a small machine; a failed node is topped up right after). After
             # it, wake per answer: a hung node must not hold up blocks that are complete.
             # (Every few reads wake per answer anyway, to keep per-node latencies measured.)
-            for ticket in self._fanout.wait(list(calls), limit, all_of=not (hedged or sample)):
-                call = calls.pop(ticket)
-                try:
-                    answer = _shards(self._fanout.result(ticket), len(call.items))
-                except NodeUnavailable:
-                    self._mark_failed(call.node)
-                    down.add(call.node)
-                    answer = [None] * len(call.items)
-                else:
-                    self._mark_ok(call.node, time.monotonic() - call.started)
-                for (position, index), shard in zip(call.items, answer, strict=True):
-                    outstanding[position] -= 1
-                    if shard is not None:
-                        shards[position][index] = shard
-                        have[position] += 1
+            take(self._fanout.wait(list(calls), limit, all_of=not (hedged or sample)))
             top_up = short(include_outstanding=True)
             if top_up:  # failed nodes or missing shards: ask others right away
                 ask(top_up)
+        if located and not short(include_outstanding=False):
+            self._note_read_time(located, time.monotonic() - start)
         if calls:
             # Answers nobody waits for any more: their nodes took at least this long (a node
             # that never answers in time must count as slow, or every read waits for its
             # hedge), and their connections must not carry a late reply into another call.
             now = time.monotonic()
             for call in calls.values():
-                self._note_latency(call.node, now - call.started)
+                self._note_latency(call.node, now - call.started, lower_bound=True)
             self._fanout.cancel(list(calls))
         out: list[np.ndarray | None] = []
         retry: list[int] = []
@@ -293,8 +289,10 @@ class BlockReads(ClientCore):
             if payload is None and location is not None and have[position] >= self._k:
                 retry.append(position)  # corrupt or mixed shards: other nodes may do better
             out.append(payload)
-        if any(len(asked[p]) < self._width for p in retry):
-            second = self._fetch_remaining(locations, retry, asked, shards, down)
+        # Not ``asked``: after a hedge every node was asked, and the calls still out when the
+        # first k came were given up; their shards are what a stripe that did not decode needs.
+        if any(len(answered[p]) < self._width for p in retry):
+            second = self._fetch_remaining(locations, retry, answered, shards, down)
             for position, payload in second.items():
                 out[position] = payload
         return out
@@ -303,16 +301,17 @@ class BlockReads(ClientCore):
         self,
         locations: Sequence[BlockLocation | None],
         positions: list[int],
-        asked: list[set[int]],
+        answered: list[set[int]],
         shards: list[list[np.ndarray | None]],
         down: set[int],
     ) -> dict[int, np.ndarray | None]:
-        """Second chance for blocks whose first k shards did not decode: ask everyone else."""
+        """Second chance for blocks whose first k shards did not decode: ask every live node
+        whose answer the first pass does not have."""
         per_node: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for position in positions:
             location = locations[position]
             assert location is not None
-            for index in self._rank(location.placement, asked[position], down, set()):
+            for index in self._rank(location.placement, answered[position], down, set()):
                 per_node[location.placement[index]].append((position, index))
         tickets = {
             self._fanout.submit(

@@ -122,6 +122,9 @@ class PutResult:
     existing: list[BlockKey] = field(default_factory=list)  # committed before: not rewritten
     busy: list[BlockKey] = field(default_factory=list)  # another writer is storing it now
     failed: list[BlockKey] = field(default_factory=list)  # not stored (nodes failed)
+    #: Of ``stored``, those written with fewer than ``stripe_width`` shards (but at least
+    #: ``min_write_shards``): readable, one loss closer to a miss until the repair restores them.
+    under_redundant: list[BlockKey] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

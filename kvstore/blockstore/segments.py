@@ -199,13 +199,8 @@ def entries_for(
     """The footer entries of the records at ``offsets`` with headers ``heads`` (96 bytes each,
     end to end) and ``bodies`` (a SHARD record's codec shard, or at least its first 64 bytes;
     anything for the others): each header, and a shard's payload length and hash."""
-    entries = np.zeros(len(offsets), ENTRY_DTYPE)
-    if not len(offsets):
-        return entries.tobytes()
-    entries["offset"] = offsets
-    entries["record"] = np.frombuffer(heads, RECORD_DTYPE)
-    records = entries["record"]
-    shard = (records["kind"] == SHARD) & (records["body_len"] >= SHARD_HEADER_BYTES)
+    records = np.frombuffer(heads, RECORD_DTYPE)
+    shard = _shard_rows(records)
     fields = b"".join(
         [
             bytes(memoryview(body)[_PAYLOAD_LEN.start : PAYLOAD_HASH.stop])  # type: ignore[arg-type]
@@ -213,6 +208,24 @@ def entries_for(
             if is_shard
         ]
     )
+    return _entries(offsets, records, shard, fields)
+
+
+def _shard_rows(records: np.ndarray) -> np.ndarray:
+    """Which records are SHARDs with a body long enough to hold a codec header."""
+    return (records["kind"] == SHARD) & (records["body_len"] >= SHARD_HEADER_BYTES)
+
+
+def _entries(
+    offsets: Sequence[int] | np.ndarray, records: np.ndarray, shard: np.ndarray, fields: bytes
+) -> bytes:
+    """The one entry builder: ``fields`` is each SHARD row's payload length and hash (16 bytes
+    from its codec header), end to end, in row order."""
+    entries = np.zeros(len(records), ENTRY_DTYPE)
+    if not len(records):
+        return entries.tobytes()
+    entries["offset"] = offsets
+    entries["record"] = records
     found = np.frombuffer(fields, np.dtype([("len", "<u8"), ("hash", "V8")]))
     entries["payload_len"][shard] = found["len"]
     entries["payload_hash"][shard] = found["hash"]
@@ -370,39 +383,80 @@ def _scan(fd: int, size: int) -> Scan:
 
     Bodies are not verified here: every reader checks what it decodes end to end and scrub
     checks every shard in time, so a damaged body is an erasure, never wrong bytes. Verifying
-    them, and building entries one by one, made a restart of 200,000 shards take ~6 s.
+    them, and building entries one by one, made a restart of 200,000 shards take ~6 s; the
+    headers are framed in a light loop and checked in bulk (``_framed_run``), and one record at
+    a time only where a run stops (damage, a torn tail).
     """
     damaged: list[tuple[int, str]] = []
-    offsets: list[int] = []
+    runs: list[tuple[np.ndarray, np.ndarray]] = []
     end = SEGMENT_HEADER_BYTES
     raw = os.pread(fd, size, 0)  # the one unsealed segment, at most ~segment_bytes
-    data = memoryview(raw)
+    data = np.frombuffer(raw, np.uint8)
     offset = SEGMENT_HEADER_BYTES
-    digest = xxhash.xxh3_64_digest
     while offset + RECORD_BYTES <= len(raw):
-        covered = data[offset : offset + _COVERED]
-        if (
-            covered[:4] != RECORD_MAGIC
-            or covered[4] not in KINDS
-            or digest(covered) != raw[offset + _COVERED : offset + RECORD_BYTES]
-        ):
+        offsets, heads, after = _framed_run(raw, data, offset)
+        if len(offsets):
+            runs.append((offsets, heads))
+            offset = end = after
+            continue
+        if not header_ok(raw[offset : offset + RECORD_BYTES]):
             found = _resync(raw, offset + 1)
             damaged.append((offset, "bad record header" if found else "torn tail"))
             if found is None:
                 break
             offset = found
             continue
-        length = RECORD_BYTES + int.from_bytes(covered[40:44], "little")
-        if offset + length > len(raw):
-            damaged.append((offset, "torn tail (record runs past the end)"))
-            break
-        offsets.append(offset)
-        offset += length
-        end = offset
-    heads = b"".join([raw[at : at + RECORD_BYTES] for at in offsets])
-    bodies = [data[at + RECORD_BYTES : at + RECORD_BYTES + SHARD_HEADER_BYTES] for at in offsets]
-    entries = np.frombuffer(entries_for(offsets, heads, bodies), ENTRY_DTYPE).copy()
+        # A good header whose body runs past the end of the file: the torn last append.
+        damaged.append((offset, "torn tail (record runs past the end)"))
+        break
+    offsets = np.concatenate([o for o, _ in runs]) if runs else np.zeros(0, np.int64)
+    records = (
+        np.concatenate([h for _, h in runs]) if runs else np.zeros((0, RECORD_BYTES), np.uint8)
+    ).view(RECORD_DTYPE)[:, 0]
+    shard = _shard_rows(records)
+    at = offsets[shard] + RECORD_BYTES + _PAYLOAD_LEN.start
+    fields = _rows(data, at, PAYLOAD_HASH.stop - _PAYLOAD_LEN.start).tobytes()
+    entries = np.frombuffer(_entries(offsets, records, shard, fields), ENTRY_DTYPE).copy()
     return Scan(entries, end, False, damaged)
+
+
+def _rows(data: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """The ``width`` bytes at each of ``starts`` in ``data``, one row each (one gather)."""
+    if len(data) < width:
+        return np.zeros((0, width), np.uint8)
+    return np.lib.stride_tricks.sliding_window_view(data, width)[starts]
+
+
+def _framed_run(raw: bytes, data: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The good records that follow one another from ``start`` (possibly none): their offsets,
+    their headers (rows of 96 bytes), and where the last of them ends.
+
+    Framing follows each header's body length after a magic check only; the headers found are
+    then checked together (kind, checksum) and the run is cut before the first that fails, so
+    a garbage length after damage frames nothing that is kept."""
+    framed: list[int] = []
+    offset, limit = start, len(raw)
+    body_len = struct.Struct("<I").unpack_from
+    while offset + RECORD_BYTES <= limit and raw[offset : offset + 4] == RECORD_MAGIC:
+        after = offset + RECORD_BYTES + body_len(raw, offset + 40)[0]
+        if after > limit:
+            break
+        framed.append(offset)
+        offset = after
+    offsets = np.asarray(framed, np.int64)
+    heads = _rows(data, offsets, RECORD_BYTES)
+    flat = memoryview(heads.tobytes())
+    digest = xxhash.xxh3_64_digest
+    digests = b"".join(
+        [digest(flat[at : at + _COVERED]) for at in range(0, len(flat), RECORD_BYTES)]
+    )
+    good = np.frombuffer(digests, "<u8") == heads[:, _COVERED:].copy().view("<u8")[:, 0]
+    good &= np.isin(heads[:, 4], KINDS)
+    keep = len(framed) if good.all() else int(np.argmin(good))
+    if not keep:
+        return offsets[:0], heads[:0], start
+    last = framed[keep - 1]
+    return offsets[:keep], heads[:keep], last + RECORD_BYTES + body_len(raw, last + 40)[0]
 
 
 def _resync(raw: bytes, start: int) -> int | None:

@@ -67,6 +67,23 @@ def shard_location(tier: ChaosTier, node_id: int, key: bytes) -> ShardLocation:
     return found
 
 
+def corrupt_held_shard(
+    tier: ChaosTier, node_id: int, key: bytes, how: str, rng: random.Random
+) -> ShardLocation:
+    """``corrupt_shard`` on the record node ``node_id`` serves for ``key``, made sure of: the
+    node's background compaction may move the record between asking where it is and damaging
+    it (the damage would then hit a dead copy, and a scrub rightly find nothing), so ask again
+    afterwards and damage the new place too until the record stayed put. Returns where."""
+    where = shard_location(tier, node_id, key)
+    for _attempt in range(10):
+        corrupt_shard(where, how, rng)
+        now = shard_location(tier, node_id, key)
+        if now == where:
+            return where
+        where = now
+    raise StoreError(f"storage node {node_id} kept moving its shard of {bytes(key).hex()[:16]}")
+
+
 def corrupt_shard(location: ShardLocation, how: str, rng: random.Random) -> None:
     """Damage one shard's record in place, the way ``how`` says (one of ``CORRUPTIONS``)."""
     if how not in CORRUPTIONS:

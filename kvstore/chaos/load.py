@@ -6,6 +6,10 @@ thread has its own tier facade (``ChaosTier.facade``: the seam engines use, over
 its own). Loops are bounded by a stop event, a deadline and an operation budget, and an exception
 escaping a tier call — the tier promises never to raise for node failures — is counted, never
 swallowed silently.
+
+Every put call is logged with its time and outcome (``PutRecord``: stored, of which
+under-redundant, failed) and every get call with its latency, so a scenario can count what
+happened in a window of its own (``LoadStats.puts_between``, ``percentile_ms(since, until)``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 
 import numpy as np
@@ -52,9 +56,58 @@ class LoadConfig:
             raise InvalidArgument("pause_s", "pause_s must be >= 0 and max_seconds > 0")
 
 
+@dataclass(frozen=True)
+class PutRecord:
+    """One put call of the load: when, and what became of its blocks."""
+
+    started: float  # monotonic
+    ended: float
+    #: Committed by this put (full or under-redundant) ...
+    stored: int
+    #: ... of which with fewer than the stripe's width of shards (the tier's ``PutAnswer``
+    #: counts them once ``min_write_shards`` lets a put commit on fewer live failure domains).
+    under_redundant: int
+    #: Not stored (failed or busy): not visible.
+    failed: int
+    #: The keys this put made visible (the ledger's new entries).
+    keys: tuple[BlockKey, ...]
+
+
+@dataclass(frozen=True)
+class PutCounts:
+    """Blocks of the put calls in a window: fully redundant, under-redundant, failed."""
+
+    calls: int = 0
+    ok: int = 0
+    under_redundant: int = 0
+    failed: int = 0
+
+    @property
+    def attempted(self) -> int:
+        return self.ok + self.under_redundant + self.failed
+
+    @property
+    def stored_fraction(self) -> float | None:
+        """Share of the attempted blocks stored (under-redundant ones count as stored)."""
+        if not self.attempted:
+            return None
+        return (self.ok + self.under_redundant) / self.attempted
+
+    def as_dict(self) -> dict[str, object]:
+        fraction = self.stored_fraction
+        return {
+            "calls": self.calls,
+            "ok": self.ok,
+            "under_redundant": self.under_redundant,
+            "failed": self.failed,
+            "stored_fraction": None if fraction is None else round(fraction, 4),
+        }
+
+
 @dataclass
 class LoadStats:
     puts_ok: int = 0
+    puts_under_redundant: int = 0
     puts_failed: int = 0
     reads_ok: int = 0
     read_misses: int = 0
@@ -65,16 +118,55 @@ class LoadStats:
     missed_keys: list[BlockKey] = field(default_factory=list)
     #: (monotonic start, seconds) of every get call.
     get_latencies: list[tuple[float, float]] = field(default_factory=list)
+    #: Every put call, in the order they ended.
+    put_log: list[PutRecord] = field(default_factory=list)
 
-    def percentile_ms(self, q: float, since: float | None = None) -> float | None:
-        samples = [s for t, s in self.get_latencies if since is None or t >= since]
+    def latencies(self, since: float | None = None, until: float | None = None) -> list[float]:
+        """Seconds of the get calls that started in ``[since, until)`` (open ends: all)."""
+        return [
+            s
+            for t, s in self.get_latencies
+            if (since is None or t >= since) and (until is None or t < until)
+        ]
+
+    def percentile_ms(
+        self, q: float, since: float | None = None, until: float | None = None
+    ) -> float | None:
+        samples = self.latencies(since, until)
         if not samples:
             return None
         return float(np.percentile(samples, q) * 1e3)
 
+    def puts_between(
+        self, since: float, until: float | None = None, *, running: bool = False
+    ) -> PutCounts:
+        """The put calls that started in ``[since, until)``, their blocks counted; with
+        ``running``, those running at some moment of it (a put in flight when a fault
+        strikes ends short too)."""
+        calls = ok = under = failed = 0
+        for record in self.put_log:
+            first = record.ended if running else record.started
+            if first < since or (until is not None and record.started >= until):
+                continue
+            calls += 1
+            ok += record.stored - record.under_redundant
+            under += record.under_redundant
+            failed += record.failed
+        return PutCounts(calls, ok, under, failed)
+
+    def keys_put_between(self, since: float, until: float | None = None) -> list[BlockKey]:
+        """Keys committed by put calls that started in ``[since, until)``."""
+        return [
+            key
+            for record in self.put_log
+            if record.started >= since and (until is None or record.started < until)
+            for key in record.keys
+        ]
+
     def as_dict(self) -> dict[str, object]:
         return {
             "puts_ok": self.puts_ok,
+            "puts_under_redundant": self.puts_under_redundant,
             "puts_failed": self.puts_failed,
             "reads_ok": self.reads_ok,
             "read_misses": self.read_misses,
@@ -134,6 +226,18 @@ class LoadGenerator:
         self._threads = []
         return self.stats
 
+    def snapshot(self) -> LoadStats:
+        """A consistent copy of the figures so far (the load keeps running)."""
+        with self._lock:
+            stats = self.stats
+            return replace(
+                stats,
+                error_messages=list(stats.error_messages),
+                missed_keys=list(stats.missed_keys),
+                get_latencies=list(stats.get_latencies),
+                put_log=list(stats.put_log),
+            )
+
     def _running(self) -> bool:
         return (
             not self._stop.is_set()
@@ -152,15 +256,28 @@ class LoadGenerator:
         rng = random.Random(self._seed * 1000 + index)
         while self._running():
             keys = [BlockKey(rng.randbytes(32)) for _ in range(self._config.put_batch)]
+            started = time.monotonic()
             try:
                 answer = self._tier.put(keys, self._config.traffic_class, writer)
             except Exception as error:  # the tier must not raise for node failures
                 self._error(f"put raised {type(error).__name__}: {error}")
                 continue
+            failed = len(answer.failed_keys) + len(answer.busy_keys)
+            under = answer.under_redundant
+            record = PutRecord(
+                started,
+                time.monotonic(),
+                answer.stored,
+                under,
+                failed,
+                tuple(answer.committed_keys(keys)),
+            )
             with self._lock:
                 self.stats.operations += len(keys)
                 self.stats.puts_ok += answer.stored
-                self.stats.puts_failed += len(answer.failed_keys) + len(answer.busy_keys)
+                self.stats.puts_under_redundant += under
+                self.stats.puts_failed += failed
+                self.stats.put_log.append(record)
             self._stop.wait(self._config.pause_s)
 
     def _read_loop(self, index: int) -> None:

@@ -32,7 +32,7 @@ from kvstore.errors import ConfigError, InvalidArgument, StoreError
 from kvstore.geometry import GeometryConfig
 from kvstore.keys import BlockKey
 from kvstore.runtime.blockstore_actors import find_actor, node_actor_name
-from kvstore.runtime.cluster import LocalCluster, alive_node_ids
+from kvstore.runtime.cluster import Machines, alive_node_ids
 from kvstore.runtime.deploy import BlockStoreHandles, deploy_blockstore, node_data_dir
 from kvstore.runtime.swa_actors import SWADeployment, deploy_swa, store_actor_name
 from kvstore.runtime.tiers import cluster_tier
@@ -81,6 +81,23 @@ class ChaosConfig:
     detect_timeout_s: float = 30.0
     repair_timeout_s: float = 120.0
     seed: int = 0
+    #: Passed to the ``BlockStoreConfig`` when set (None: its default). The repair's caps ...
+    repair_bytes_per_s: int | None = None
+    repair_stripes_per_round: int | None = None
+    repair_round_bytes: int | None = None
+    #: ... the fewest live failure domains a put commits on (under-redundant below the width) ...
+    min_write_shards: int | None = None
+    #: ... and the background scrub's rate per node. Off by default here: the scenarios that
+    #: damage shards run a scrub pass of their own and count what it finds, which a background
+    #: pass would find first; ``scrub`` turns it on (``ChaosTier.set_repair_rates``).
+    scrub_bytes_per_s: int = 0
+    #: The storage nodes' segment size: small, so a run's few hundred blocks roll, seal and
+    #: compact several segments.
+    segment_bytes: int = 256 * 1024
+    #: Storage nodes a machine may host: 1 (each machine one failure domain) on a
+    #: ``LocalCluster``; more on a testbed's hosts (``kvstore.testbed``), whose nodes share
+    #: the host as their failure domain.
+    nodes_per_machine: int = 1
 
     def __post_init__(self) -> None:
         if not self.data_root:
@@ -93,7 +110,14 @@ class ChaosConfig:
                 f"must be >= {MIN_MACHINES} (12-wide stripes plus a spare machine), "
                 f"got {self.storage_nodes}",
             )
-        for name in ("meta_shards", "block_bytes", "swa_stores", "swa_entrypoints"):
+        for name in (
+            "meta_shards",
+            "block_bytes",
+            "swa_stores",
+            "swa_entrypoints",
+            "segment_bytes",
+            "nodes_per_machine",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")
@@ -111,6 +135,33 @@ class ChaosConfig:
             "repair_timeout_s",
         ):
             _positive(name, getattr(self, name))
+        for name in (
+            "repair_bytes_per_s",
+            "repair_stripes_per_round",
+            "repair_round_bytes",
+            "min_write_shards",
+        ):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value <= 0
+            ):
+                raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
+        value = self.scrub_bytes_per_s
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError("scrub_bytes_per_s", f"must be an integer >= 0, got {value!r}")
+
+    def _repair_knobs(self) -> dict[str, Any]:
+        knobs = {
+            name: getattr(self, name)
+            for name in (
+                "repair_bytes_per_s",
+                "repair_stripes_per_round",
+                "repair_round_bytes",
+                "min_write_shards",
+            )
+            if getattr(self, name) is not None
+        }
+        return {**knobs, "scrub_bytes_per_s": self.scrub_bytes_per_s}
 
     def blockstore(self) -> BlockStoreConfig:
         return BlockStoreConfig(
@@ -125,8 +176,8 @@ class ChaosConfig:
             hedge_after_s=self.hedge_after_s,
             put_reservation_s=self.put_reservation_s,
             # fsync off: a killed process loses nothing (page cache), and disks here are slow.
-            # Small segments: a run's few hundred blocks roll, seal and compact several.
-            node=StorageNodeConfig(fsync="never", segment_bytes=256 * 1024),
+            node=StorageNodeConfig(fsync="never", segment_bytes=self.segment_bytes),
+            **self._repair_knobs(),
         )
 
     def swa(self, geometry: GeometryConfig) -> SWAConfig:
@@ -175,7 +226,7 @@ class ChaosTier:
 
     def __init__(
         self,
-        cluster: LocalCluster,
+        cluster: Machines,
         config: ChaosConfig,
         owned: Sequence[str],
         handles: BlockStoreHandles,
@@ -200,22 +251,23 @@ class ChaosTier:
 
     @classmethod
     def deploy(
-        cls, cluster: LocalCluster, config: ChaosConfig, owned: Sequence[str] | None = None
+        cls, cluster: Machines, config: ChaosConfig, owned: Sequence[str] | None = None
     ) -> ChaosTier:
         """Deploy on ``cluster``; ``owned``: the machines scenarios may crash (default: all)."""
         machines = cluster.machines
-        if len(machines) < config.storage_nodes:
+        if len(machines) * config.nodes_per_machine < config.storage_nodes:
             raise InvalidArgument(
                 "machines",
                 f"the cluster has {len(machines)} machines; {config.storage_nodes} storage nodes "
-                "need one each",
+                f"at {config.nodes_per_machine} a machine need more",
             )
         owned = list(machines if owned is None else owned)
         unknown = sorted(set(owned) - set(machines))
         if unknown:
             raise InvalidArgument("owned", f"machines {unknown} are not in the cluster")
         Path(config.data_root).mkdir(parents=True, exist_ok=True)
-        node_machine = {i: machines[i] for i in range(config.storage_nodes)}
+        # As deploy_blockstore places them: node i on machine i mod machines.
+        node_machine = {i: machines[i % len(machines)] for i in range(config.storage_nodes)}
         handles = deploy_blockstore(config.blockstore(), cluster, start_repair=True)
         swa = None
         try:
@@ -229,6 +281,7 @@ class ChaosTier:
                 {m: cluster.node_id(m) for m in swa_machines},
                 config=config.swa(geometry),
                 geometry=geometry,
+                entrypoint_nodes=cluster.control_node_ids() or None,
             )
             tier = cls(cluster, config, owned, handles, swa, node_machine)
             tier.wait_healthy()
@@ -251,10 +304,11 @@ class ChaosTier:
         return self.node_machine[node_id]
 
     def node_on(self, machine: str) -> int | None:
-        for node, where in self.node_machine.items():
-            if where == machine:
-                return node
-        return None
+        nodes = self.nodes_on(machine)
+        return nodes[0] if nodes else None
+
+    def nodes_on(self, machine: str) -> list[int]:
+        return [node for node, where in sorted(self.node_machine.items()) if where == machine]
 
     def control_machines(self) -> set[str]:
         """Machines hosting a meta shard, the repair loop or an SWA entrypoint right now."""
@@ -293,10 +347,12 @@ class ChaosTier:
         keys: Sequence[bytes],
         traffic_class: str = "default",
         writer: TierWriter | None = None,
+        size: int | None = None,
     ) -> PutAnswer:
-        """Put ``payload_for(key)`` under each key through the tier seam (``writer``, by default
-        this tier's own facade); committed ones enter the ledger."""
-        size = self.config.block_bytes
+        """Put ``payload_for(key, size)`` under each key through the tier seam (``writer``, by
+        default this tier's own facade; ``size``, by default the config's block size);
+        committed ones enter the ledger."""
+        size = self.config.block_bytes if size is None else size
         payloads = [payload_for(key, size).tobytes() for key in keys]
         answer = (writer or self._facade).put_blocks(list(keys), payloads, traffic_class)
         self.ledger.add(answer.committed_keys(keys), size, traffic_class)
@@ -356,9 +412,26 @@ class ChaosTier:
 
     def placed_on(self, node: int, keys: Iterable[bytes] | None = None) -> list[BlockKey]:
         """Committed blocks (default: the ledger's) with a shard placed on ``node``."""
+        return self.placed_on_any([node], keys)
+
+    def placed_on_any(
+        self, nodes: Iterable[int], keys: Iterable[bytes] | None = None
+    ) -> list[BlockKey]:
+        """Committed blocks (default: the ledger's) with a shard placed on one of ``nodes``."""
         placements = self.placements()
         wanted = self.ledger.keys() if keys is None else [BlockKey(bytes(k)) for k in keys]
-        return [key for key in wanted if node in placements.get(key, ())]
+        on = set(nodes)
+        return [key for key in wanted if on & set(placements.get(key, ()))]
+
+    def host_spread(self) -> int:
+        """The most shards any ledger block has placed on one machine (its nodes together)."""
+        placements = self.placements()
+        most = 0
+        for key in self.ledger.keys():
+            machines = [self.node_machine[n] for n in placements.get(key, ()) if n >= 0]
+            if machines:
+                most = max(most, max(machines.count(m) for m in set(machines)))
+        return most
 
     def repair_stats(self) -> dict[str, Any]:
         return dict(ray.get(self._repair().stats.remote(), timeout=self.config.call_timeout_s))
@@ -446,6 +519,18 @@ class ChaosTier:
                     missing += 1
         return {"blocks": len(wanted), "missing": missing, "stray": stray}
 
+    def usage_by_node(self) -> dict[int, dict[str, int]]:
+        """Each live node's ``usage()`` (shards, pending, bytes_used, live_bytes, ...)."""
+        nodes = sorted(self.handles.nodes)
+        usage = ray.get(
+            [self.handles.nodes[n].usage.remote() for n in nodes],
+            timeout=self.config.call_timeout_s * 5,
+        )
+        return {
+            n: {k: int(v) for k, v in u.items() if isinstance(v, int)}
+            for n, u in zip(nodes, usage, strict=True)
+        }
+
     def node_usage(self) -> dict[str, int]:
         usage = ray.get(
             [h.usage.remote() for h in self.handles.nodes.values()],
@@ -467,6 +552,27 @@ class ChaosTier:
 
     def pause_repair(self, paused: bool) -> None:
         ray.get(self._repair().pause.remote(paused), timeout=self.config.call_timeout_s)
+
+    def drain(self, node_id: int, draining: bool = True) -> dict[str, Any]:
+        """Start (or end, ``draining=False``) draining storage node ``node_id``: it takes no new
+        writes and the repair moves its shards elsewhere."""
+        reply = ray.get(
+            self._repair().drain.remote(int(node_id), draining),
+            timeout=self.config.call_timeout_s * 5,
+        )
+        return dict(reply or {})
+
+    def set_repair_rates(
+        self, repair_bytes_per_s: int | None = None, scrub_bytes_per_s: int | None = None
+    ) -> dict[str, Any]:
+        """Change the repair's and the scrub's rates at run time (None: unchanged)."""
+        reply = ray.get(
+            self._repair().set_rates.remote(
+                repair_bytes_per_s=repair_bytes_per_s, scrub_bytes_per_s=scrub_bytes_per_s
+            ),
+            timeout=self.config.call_timeout_s * 5,
+        )
+        return dict(reply or {})
 
     def swa_client(self, local_machine: str | None = None) -> SWAClient:
         return self.swa.client(local_machine=local_machine)
@@ -497,18 +603,19 @@ class ChaosTier:
         """Bring a crashed machine back under its id; its storage node restarts on its dir."""
         if machine not in self.cluster.machines:
             self.cluster.add_machine(machine)
-        node = self.node_on(machine)
-        if node is not None:
-            handle = self.handles.nodes[node]
-            answered = wait_until(
-                lambda: ray.get(handle.ping.remote(), timeout=2) == node,
-                self.config.repair_timeout_s,
-                0.2,
-            )
-            if answered is None:  # Ray gave up restarting it: start a fresh one on the dir
+        for node in self.nodes_on(machine):
+            if self._wait_answering(node) is None:  # Ray gave up restarting it: start anew
                 self.restart_node(node)
         if machine in self.swa.stores:
             self._restart_store(machine)
+
+    def _wait_answering(self, node: int) -> float | None:
+        handle = self.handles.nodes[node]
+        return wait_until(
+            lambda: ray.get(handle.ping.remote(), timeout=2) == node,
+            self.config.repair_timeout_s,
+            0.2,
+        )
 
     def _restart_store(self, machine: str) -> None:
         name = store_actor_name(self.swa.config, machine)
@@ -526,7 +633,11 @@ class ChaosTier:
         health checks on a loaded host) are taken out of the cluster, to be started again."""
         alive = set(alive_node_ids())
         for machine in list(self.cluster.machines):
-            if machine in self.node_machine.values() and self.cluster.node_id(machine) not in alive:
+            try:
+                node_id = self.cluster.node_id(machine)
+            except InvalidArgument:  # a testbed host whose Ray node the GCS declared dead
+                node_id = ""
+            if machine in self.node_machine.values() and node_id not in alive:
                 log.warning("machine %s died on its own; starting it again", machine)
                 try:
                     self.cluster.remove_machine(machine, graceful=False)
@@ -567,7 +678,7 @@ class ChaosTier:
         return time.monotonic() - started
 
 
-def _machines_of(cluster: LocalCluster, actors: Iterable[Any]) -> set[str]:
+def _machines_of(cluster: Machines, actors: Iterable[Any]) -> set[str]:
     """Machine ids of the Ray nodes the ``actors`` run on (the head or unknown: skipped)."""
     by_node = {}
     for machine in cluster.machines:

@@ -8,11 +8,17 @@ import os
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvstore.chaos.catalog import SCENARIO_NAMES
+from kvstore.chaos.catalog import (
+    HOST_SCENARIO_NAMES,
+    OWN_DEPLOYMENT,
+    OWN_DEPLOYMENT_CONFIG,
+    SCENARIO_NAMES,
+)
 from kvstore.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -28,12 +34,29 @@ chosen scenario(s) and prints one row per scenario: faults injected, operations,
 failed reads, wrong bytes (must be 0), expected misses, committed blocks lost (must be 0),
 time to detect and time to repair. Exits 1 when any promise was broken.
 
-Scenarios: kill-two, kill-three, restart, repair, corrupt, swa, meta, writer, gc-lease,
-slow-node (see cluster/chaos/README.md), or all.
+{names}
+
+{hosts}
 
   kvstore chaos --scenario kill-two
   kvstore chaos --scenario all --json > chaos.json
-"""
+  sudo kvstore chaos --scenario partition
+""".format(
+    names=textwrap.fill(
+        f"Scenarios: {', '.join(SCENARIO_NAMES)} (see cluster/chaos/README.md), or all.",
+        96,
+        break_on_hyphens=False,
+    ),
+    hosts=textwrap.fill(
+        f"On a multi-host testbed instead (root: hosts in network namespaces on a bridge, "
+        f"kvstore.testbed; brought up and taken down by the run): {', '.join(HOST_SCENARIO_NAMES)}"
+        ", or hosts for all three.",
+        96,
+        break_on_hyphens=False,
+    ),
+)
+
+_CHOICES = [*SCENARIO_NAMES, "all", *HOST_SCENARIO_NAMES, "hosts"]
 
 _MIN_MACHINES = 13
 
@@ -42,9 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scenario",
         required=True,
-        choices=[*SCENARIO_NAMES, "all"],
+        choices=_CHOICES,
         metavar="NAME",
-        help=f"one of {', '.join(SCENARIO_NAMES)}, or all",
+        help=f"one of {', '.join(_CHOICES)}",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
@@ -62,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scenario in (*HOST_SCENARIO_NAMES, "hosts"):
+        return _run_on_hosts(args)
     if args.machines < _MIN_MACHINES:
         raise InvalidArgument(
             "--machines",
@@ -102,7 +127,6 @@ def _run_scenarios(
     from kvstore.chaos.tier import ChaosConfig, ChaosTier
     from kvstore.runtime.cluster import LocalCluster, LocalClusterConfig
 
-    started = time.monotonic()
     _progress(f"starting a local cluster of {args.machines} machines")
     # Ray's own health checks are relaxed here: the tier detects dead machines itself (its
     # repair loop pings every 0.3 s), and on a busy host a raylet starved for a few seconds
@@ -116,21 +140,49 @@ def _run_scenarios(
         ),
     )
     results = []
+    shared = [item for item in chosen if item.name not in OWN_DEPLOYMENT]
+    own = sorted(
+        (item for item in chosen if item.name in OWN_DEPLOYMENT),
+        key=lambda item: OWN_DEPLOYMENT.index(item.name),
+    )
     try:
-        config = ChaosConfig(data_root=str(data_root), storage_nodes=args.machines, seed=args.seed)
-        tier = ChaosTier.deploy(cluster, config)
-        _progress(f"tier deployed in {time.monotonic() - started:.0f} s")
-        try:
-            for item in chosen:
-                _progress(f"scenario {item.number} {item.name}: {item.summary}")
-                row = run_scenario(tier, item)
-                results.append(row)
-                _progress(f"  {'PASS' if row.ok else 'FAIL'} in {row.seconds:.1f} s")
-        finally:
-            tier.shutdown()
+        base = ChaosConfig(data_root=str(data_root), storage_nodes=args.machines, seed=args.seed)
+        for group, config in (
+            (shared, base),
+            (own, base.with_changes(
+                data_root=str(data_root / "own"), deployment="chaosown", **OWN_DEPLOYMENT_CONFIG
+            )),
+        ):  # fmt: skip
+            if not group:
+                continue
+            deploying = time.monotonic()
+            tier = ChaosTier.deploy(cluster, config)
+            _progress(f"tier {config.deployment} deployed in {time.monotonic() - deploying:.0f} s")
+            try:
+                for item in group:
+                    _progress(f"scenario {item.number} {item.name}: {item.summary}")
+                    row = run_scenario(tier, item)
+                    results.append(row)
+                    _progress(f"  {'PASS' if row.ok else 'FAIL'} in {row.seconds:.1f} s")
+            finally:
+                tier.shutdown()
     finally:
         cluster.shutdown()
     return results
+
+
+def _run_on_hosts(args: argparse.Namespace) -> int:
+    from kvstore.chaos.hostrun import run_host_scenarios
+    from kvstore.chaos.table import format_table, to_json
+
+    names = list(HOST_SCENARIO_NAMES) if args.scenario == "hosts" else [args.scenario]
+    started = time.monotonic()
+    results, facts = run_host_scenarios(names, seed=args.seed, progress=_progress)
+    extra = {**facts, "seed": args.seed, "seconds": time.monotonic() - started}
+    print(to_json(results, extra) if args.json else format_table(results))
+    if facts["leftovers"]:
+        print(f"kvstore chaos: the testbed left {facts['leftovers']}", file=sys.stderr)
+    return 0 if all(row.ok for row in results) and not facts["leftovers"] else 1
 
 
 def _progress(message: str) -> None:

@@ -8,13 +8,16 @@ from dataclasses import asdict
 import grpc
 
 from kvstore.commands._client import add_client_arguments, connect, print_json, rpc_error
+from kvstore.commands._repair import drain_line, progress_line, repair_of, scrub_line
 
 NAME = "stats"
 HELP = "show hit rates, miss reasons, bytes stored, degraded reads and repairs"
 DESCRIPTION = """Show the figures of a running kvstore (the same ones its Prometheus endpoint
 exports): per traffic class the blocks looked up, hit and missed (with the miss reasons:
 never_written, evicted, expired, unreadable, lease_expired), bytes stored per tier, degraded
-reads, repair progress and live storage nodes.
+reads, repair progress (stripes and bytes still to restore or move off a draining node, the
+rate, the time left), drains under way, the background scrub, and live storage nodes. A figure
+the cluster does not report shows as n/a.
 
   kvstore stats --server 127.0.0.1:50051
   kvstore stats --json"""
@@ -43,6 +46,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"SWA tier stored    {_gb(stats.swa_bytes_stored)}")
     print(f"degraded reads     {stats.degraded_reads}")
     print(f"repairs            {stats.repairs_done} done, {stats.repairs_pending} pending")
+    repair = repair_of(stats.extra)
+    print(f"repair progress    {progress_line(repair)}")
+    draining = drain_line(repair)
+    if draining is not None:
+        print(f"draining           {draining}")
+    print(f"scrub              {scrub_line(repair)}")
     print()
     header = f"{'class':<10} {'lookups':>8} {'hit blk':>8} {'miss blk':>8} {'hit rate':>8}"
     print(f"{header}  misses by reason")

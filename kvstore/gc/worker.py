@@ -304,7 +304,11 @@ class GCWorker:
             chunk = {shard: keys[start : start + batch] for shard, keys in plan.items()}
             chunk = {shard: keys for shard, keys in chunk.items() if keys}
             evictions = [
-                self._fanout.submit(meta_target(shard), MetaShardCalls.gc_evict, chunk[shard], now)
+                # chosen_at=now: the candidates are the LRU order as of this pass's start; a
+                # block read since then (a pass can take seconds) stays.
+                self._fanout.submit(
+                    meta_target(shard), MetaShardCalls.gc_evict, chunk[shard], now, now
+                )
                 for shard in sorted(chunk)
             ]
             removed: list[RemovedBlock] = []

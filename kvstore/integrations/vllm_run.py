@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,13 +109,15 @@ def fresh_engine(
     *,
     env: Mapping[str, str] | None = None,
     timeout_s: float = 900.0,
+    prefix: Sequence[str] = (),
 ) -> FreshRun:
     """Run ``spec`` in a new ``python -m kvstore.integrations.vllm_run`` process (its spec file
-    and working directory in ``workdir``), vLLM's sockets on loopback."""
+    and working directory in ``workdir``), vLLM's sockets on loopback. ``prefix`` goes before
+    the command (``ip netns exec HOST``: the engine on a testbed host of its own)."""
     path = workdir / f"engine-spec-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(spec))
     done = subprocess.run(
-        [sys.executable, "-m", "kvstore.integrations.vllm_run", str(path)],
+        [*prefix, sys.executable, "-m", "kvstore.integrations.vllm_run", str(path)],
         capture_output=True,
         text=True,
         timeout=timeout_s,

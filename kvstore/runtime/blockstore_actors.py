@@ -38,7 +38,8 @@ from kvstore.blockstore.meta import MetaReply, MetaShard
 from kvstore.blockstore.node import StorageNode
 from kvstore.blockstore.placement import meta_shard_of
 from kvstore.blockstore.records import RemovedBlock, StripeRecord
-from kvstore.blockstore.repair import HealthTracker, Repairer, RepairLoop
+from kvstore.blockstore.repair import HealthTracker, Repairer
+from kvstore.blockstore.repairloop import RepairLoop
 from kvstore.errors import StoreError
 from kvstore.keys import BlockKey
 from kvstore.runtime.fanout import RayFanout
@@ -172,6 +173,14 @@ class StorageNodeActor:
         with self._lock:  # a node that cannot take its lock (a wedged disk) does not answer
             return self._node.ping()
 
+    def status(self) -> dict[str, int]:
+        with self._lock:  # as ping: a wedged node does not answer
+            return self._node.status()
+
+    def set_draining(self, flag: bool) -> bool:
+        with self._lock:
+            return self._node.set_draining(flag)
+
     def locate(self, keys: Sequence[bytes]) -> list[tuple[str, int, int] | None]:
         """Where this node's shards of ``keys`` are on disk (tools, fault injection)."""
         with self._lock:
@@ -243,9 +252,9 @@ class StorageNodeActor:
         with self._lock:
             return self._node.manifest(meta_shard, num_meta_shards)
 
-    def scrub(self, limit: int = 1024) -> dict[str, object]:
+    def scrub(self, limit: int = 1024, budget_bytes: int | None = None) -> dict[str, object]:
         with self._lock:
-            return self._node.scrub(limit)
+            return self._node.scrub(limit, budget_bytes)
 
     def reclaim_orphans(self, grace_s: float) -> dict[str, int]:
         """Delete pending shards older than ``grace_s`` and committed ones no meta shard maps to
@@ -419,11 +428,19 @@ class MetaShardActor:
         with self._lock:
             return self._meta.mark_nodes(down, up)
 
-    def stripes_to_repair(
-        self, dead_nodes: Sequence[int], limit: int, start_row: int = 0
-    ) -> tuple[list[StripeRecord], int]:
+    def repair_queue(
+        self,
+        dead_nodes: Sequence[int],
+        draining_nodes: Sequence[int],
+        limit: int,
+        max_bytes: int,
+        class_rank: Sequence[int] = (),
+        refresh: bool = False,
+    ) -> tuple[list[StripeRecord], dict[str, Any]]:
         with self._lock:
-            return self._meta.stripes_to_repair(dead_nodes, limit, start_row)
+            return self._meta.repair_queue(
+                dead_nodes, draining_nodes, limit, max_bytes, class_rank, refresh
+            )
 
     def set_placements(self, moves: Sequence[tuple[bytes, int, int, int]]) -> list[bool]:
         with self._lock:
@@ -447,9 +464,11 @@ class MetaShardActor:
         with self._lock:
             return self._meta.gc_lru_candidates(now, bytes_needed)
 
-    def gc_evict(self, keys: Sequence[bytes], now: float) -> list[RemovedBlock]:
+    def gc_evict(
+        self, keys: Sequence[bytes], now: float, chosen_at: float | None = None
+    ) -> list[RemovedBlock]:
         with self._lock:
-            return self._meta.gc_evict(keys, now)
+            return self._meta.gc_evict(keys, now, chosen_at)
 
     def stored_bytes_by_class(self) -> dict[str, int]:
         with self._lock:
@@ -473,57 +492,103 @@ class MetaShardActor:
 
 @ray.remote
 class RepairActor:
-    """Health checks + repair, as a background loop every ``health_interval_s``."""
+    """Health checks, repair rounds, drains and scrub (``kvstore.blockstore.repairloop``) in a
+    background thread: rounds back to back, paced to the byte cap, while there is a backlog;
+    one every ``health_interval_s`` otherwise."""
 
     def __init__(self, config: BlockStoreConfig, node_ids: Sequence[int], run: bool = True):
         # Repair moves shard bytes too: over the sockets, as a client's reads and writes do.
-        fanout = RayFanout({}, resolve=name_resolver(config.deployment), fast_methods=FAST_METHODS)
-        scrub_every = 0
-        if config.scrub_every_s:  # in ticks of the loop, at least one
-            scrub_every = max(1, round(config.scrub_every_s / config.health_interval_s))
+        def fanout() -> RayFanout:
+            return RayFanout(
+                {}, resolve=name_resolver(config.deployment), fast_methods=FAST_METHODS
+            )
+
+        # Health checks on a fanout (and a thread) of their own: a check waits up to
+        # call_timeout_s on a node that just died, rounds go on meanwhile.
+        self._checker = Repairer(config, fanout(), node_ids)
         self._loop = RepairLoop(
-            Repairer(config, fanout, node_ids),
+            Repairer(config, fanout(), node_ids),
             HealthTracker(config.dead_after_s),
-            scrub_every=scrub_every,
-            scrub_limit=config.scrub_limit,
+            checker=self._checker,
         )
         self._interval = config.health_interval_s
         self._lock = threading.Lock()
+        self._snapshot: dict[str, object] = self._loop.stats()
         self._running = run
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._health_lock = threading.Lock()  # one health check at a time
         self._thread = threading.Thread(target=self._run, name="repair-loop", daemon=True)
         self._thread.start()
+        self._health = threading.Thread(target=self._check, name="health", daemon=True)
+        self._health.start()
 
-    def _run(self) -> None:
+    def _check(self) -> None:
         while not self._stop.wait(self._interval):
             if not self._running:
                 continue
-            with self._lock:
-                step = self._loop.tick()
-            # Keep going without a pause while a repair backlog is being worked off.
-            while step.get("stripes") and self._running and not self._stop.is_set():
+            try:
+                with self._health_lock:
+                    self._loop.check_health()
+            except Exception:  # checks go on: the next one may find the cluster answering
+                log.exception("health check failed")
+            self._wake.set()  # a death found: repair at once
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._running:
                 with self._lock:
-                    step = self._loop.tick()
+                    self._loop.tick(check_health=False)
+                    backlog = self._loop.backlog()
+                    pause = self._loop.pace_s() if backlog else self._interval
+                    self._snapshot = self._loop.stats()
+            else:
+                pause = self._interval
+            if pause > 0:
+                self._wake.wait(pause)
+                self._wake.clear()
 
     def tick(self) -> dict[str, float]:
-        """Run one cycle now (tests and operators)."""
+        """Run one cycle now, health checks included (tests and operators)."""
+        with self._health_lock:
+            self._loop.check_health()
         with self._lock:
-            return self._loop.tick()
+            step = self._loop.tick(check_health=False)
+            self._snapshot = self._loop.stats()
+            return step
 
     def pause(self, paused: bool = True) -> None:
         self._running = not paused
+        self._wake.set()
 
     def declare_dead(self, node_id: int) -> None:
         with self._lock:
             self._loop.health.declare_dead(int(node_id))
+        self._wake.set()
 
     def set_nodes(self, node_ids: Sequence[int]) -> None:
-        with self._lock:
+        with self._health_lock, self._lock:
             self._loop.repairer.set_nodes(node_ids)
+            self._checker.set_nodes(node_ids)
+
+    def drain(self, node_id: int, draining: bool = True) -> dict[str, Any]:
+        """Start (or stop) draining a storage node: it takes no new shards, and every shard it
+        holds is moved to another node (each stripe keeps its shards throughout)."""
+        with self._lock:
+            status = self._loop.drain(int(node_id), bool(draining))
+            self._snapshot = self._loop.stats()
+        self._wake.set()
+        return status
+
+    def set_rates(
+        self, repair_bytes_per_s: int | None = None, scrub_bytes_per_s: int | None = None
+    ) -> dict[str, int]:
+        with self._lock:
+            return self._loop.set_rates(repair_bytes_per_s, scrub_bytes_per_s)
 
     def stats(self) -> dict[str, object]:
-        with self._lock:
-            return self._loop.stats()
+        """The figures as of the last tick (never waits for a round in progress)."""
+        return self._snapshot
 
 
 def actor_options(name: str, **extra: Any) -> dict[str, Any]:

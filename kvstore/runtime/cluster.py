@@ -35,7 +35,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 from ray.cluster_utils import Cluster
@@ -260,6 +260,66 @@ def pin_to_node(node_id_hex: str) -> dict[str, Any]:
     }
 
 
+def pin_to_host(address: str) -> dict[str, Any]:
+    """Actor options placing an actor on the host at ``address``, whichever Ray node runs
+    there now: a host whose Ray restarts (a new node id) gets its restartable actors back."""
+    if not address or not isinstance(address, str):
+        raise InvalidArgument("address", f"must be a host address, got {address!r}")
+    return {"num_cpus": 0, "resources": {f"node:{address}": 0.001}}
+
+
+#: Ray node resources that say what a host is for: storage nodes go only to hosts carrying
+#: ``kvstore_storage`` when any does (a client or head host carries none), and the control
+#: plane (meta shards, repair) to a host carrying ``kvstore_control`` when one does.
+STORAGE_RESOURCE = "kvstore_storage"
+CONTROL_RESOURCE = "kvstore_control"
+
+
+def storage_hosts() -> list[str]:
+    """Addresses of the live hosts storage nodes may go to, sorted: the Ray nodes carrying
+    ``kvstore_storage`` (all of them when none does), one per address. Empty when some address
+    runs several Ray nodes (simulated machines on one host: not hosts of their own)."""
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    marked = [node for node in nodes if node.get("Resources", {}).get(STORAGE_RESOURCE)]
+    chosen = marked or nodes
+    addresses = [str(node["NodeManagerAddress"]) for node in chosen]
+    all_addresses = [str(node["NodeManagerAddress"]) for node in nodes]
+    if len(set(all_addresses)) != len(all_addresses):
+        return []
+    return sorted(addresses)
+
+
+def control_node_ids() -> list[str]:
+    """Live Ray nodes carrying ``kvstore_control`` (the control plane's hosts), sorted."""
+    return sorted(
+        str(node["NodeID"])
+        for node in ray.nodes()
+        if node.get("Alive") and node.get("Resources", {}).get(CONTROL_RESOURCE)
+    )
+
+
+def control_plane_options() -> dict[str, Any]:
+    """Placement of the control-plane actors: on a host carrying ``kvstore_control`` if any."""
+    return {"resources": {CONTROL_RESOURCE: 0.001}} if control_node_ids() else {}
+
+
+class Machines(Protocol):
+    """What deploying on a set of machines needs: ``LocalCluster``, or a testbed's hosts."""
+
+    @property
+    def machines(self) -> list[str]: ...
+
+    def node_id(self, machine_id: str) -> str: ...
+
+    def add_machine(self, machine_id: str | None = None) -> str: ...
+
+    def remove_machine(self, machine_id: str, graceful: bool = True) -> None: ...
+
+    def control_node_ids(self) -> list[str]:
+        """Ray nodes for the control plane (SWA entrypoints, ...); empty: anywhere."""
+        ...
+
+
 def cluster_cpus(default: int = 2) -> int:
     """CPUs of the connected Ray cluster, all nodes together (``default`` if it reports none)."""
     return int(ray.cluster_resources().get("CPU", default))
@@ -327,7 +387,10 @@ def connect(
     """
     if ray.is_initialized():
         return
-    _apply_loopback_env()
+    if address is None or _is_loopback_address(address):
+        _apply_loopback_env()
+    else:  # other hosts: Ray must find this one's own address (the loopback switch forbids it)
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     if address is None:
         _token_for_own_cluster()
         _require_token_auth()
@@ -348,6 +411,20 @@ def connect(
         _require_token_auth()
         _check_cluster_auth(address)
         ray.init(address=address, namespace=namespace, log_to_driver=False)
+
+
+def _is_loopback_address(address: str) -> bool:
+    """Whether a Ray address (``HOST:PORT``, ``auto``, ``ray://...``) names this machine's
+    loopback; ``auto`` counts as loopback (a cluster kvstore started here)."""
+    import ipaddress
+
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host in ("auto", "localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class LocalCluster:
@@ -438,6 +515,10 @@ class LocalCluster:
         )
         self._nodes[machine_id] = node
         return machine_id
+
+    def control_node_ids(self) -> list[str]:
+        """None of its own: the control plane goes anywhere (the head has no CPUs)."""
+        return []
 
     def remove_machine(self, machine_id: str, graceful: bool = True) -> None:
         """Stop machine ``machine_id``. ``graceful=False`` kills its processes outright: callers

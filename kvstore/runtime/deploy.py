@@ -1,10 +1,18 @@
 """Stand the Block KVCache tier up on a Ray cluster and hand out clients.
 
-Placement of storage nodes (one actor = one failure domain, its own data dir):
-- on a ``LocalCluster``: node i on machine ``i mod machines`` (custom resource pin);
-- on a cluster with at least ``storage_nodes`` Ray nodes: one per Ray node, hard node affinity;
-- otherwise (one machine): N actors spread over the Ray nodes there are, each its own domain.
-Meta shards and the repair loop go anywhere (``num_cpus=0``).
+Placement of storage nodes (each actor its own data dir):
+- on a ``LocalCluster`` (or a testbed's ``HostCluster``): node i on machine ``i mod machines``
+  (custom resource pin);
+- on a cluster of hosts (Ray nodes with distinct addresses; only those carrying the resource
+  ``kvstore_storage`` when any does): node i on host ``i mod hosts``, pinned to the host's
+  address (Ray's ``node:<ip>`` resource), so a host whose Ray restarts gets its storage nodes
+  back on their data dirs;
+- otherwise (one machine, or simulated machines sharing an address): N actors spread over the
+  Ray nodes there are, hard node affinity.
+Where machines or hosts are fewer than the nodes, the nodes of one machine share a failure
+domain (``BlockStoreConfig.failure_domains``): a stripe puts at most ceil(12 / hosts) shards on
+one. Meta shards and the repair loop go on a host carrying ``kvstore_control`` when one does
+(a testbed's head), else anywhere (``num_cpus=0``).
 """
 
 from __future__ import annotations
@@ -37,7 +45,15 @@ from kvstore.runtime.blockstore_actors import (
     node_actor_name,
     repair_actor_name,
 )
-from kvstore.runtime.cluster import LocalCluster, alive_node_ids, pin_to_machine, pin_to_node
+from kvstore.runtime.cluster import (
+    Machines,
+    alive_node_ids,
+    control_plane_options,
+    pin_to_host,
+    pin_to_machine,
+    pin_to_node,
+    storage_hosts,
+)
 from kvstore.runtime.fanout import RayFanout
 
 log = logging.getLogger(__name__)
@@ -178,23 +194,39 @@ def _start_node(config: BlockStoreConfig, node_id: int, placement: dict[str, Any
 
 
 def _node_placements(
-    config: BlockStoreConfig, cluster: LocalCluster | None
-) -> dict[int, dict[str, Any]]:
+    config: BlockStoreConfig, cluster: Machines | None
+) -> tuple[dict[int, dict[str, Any]], tuple[str, ...]]:
+    """Actor options of each storage node, and the failure domain of each (empty: every node
+    a domain of its own)."""
     count = config.storage_nodes
     if cluster is not None:
         machines = cluster.machines
         if not machines:
             raise StoreError("the local cluster has no machines to place storage nodes on")
-        return {i: pin_to_machine(machines[i % len(machines)]) for i in range(count)}
+        where = [machines[i % len(machines)] for i in range(count)]
+        domains = tuple(where) if len(machines) < count else ()
+        return {i: pin_to_machine(where[i]) for i in range(count)}, domains
+    hosts = storage_hosts()
+    if len(hosts) > 1:
+        where = [hosts[i % len(hosts)] for i in range(count)]
+        domains = tuple(where) if len(hosts) < count else ()
+        if len(hosts) * 2 < config.stripe_width:  # a host would hold more than m shards
+            log.warning(
+                "%d storage hosts: a stripe puts up to %d shards on one, so losing a host can "
+                "lose blocks (10+2 needs >= 6 hosts for that)",
+                len(hosts),
+                -(-config.stripe_width // len(hosts)),
+            )
+        return {i: pin_to_host(where[i]) for i in range(count)}, domains
     ray_nodes = alive_node_ids()
     if not ray_nodes:
-        return {i: {} for i in range(count)}
-    return {i: pin_to_node(ray_nodes[i % len(ray_nodes)]) for i in range(count)}
+        return {i: {} for i in range(count)}, ()
+    return {i: pin_to_node(ray_nodes[i % len(ray_nodes)]) for i in range(count)}, ()
 
 
 def deploy_blockstore(
     config: BlockStoreConfig,
-    cluster: LocalCluster | None = None,
+    cluster: Machines | None = None,
     *,
     start_repair: bool = True,
     wait: bool = True,
@@ -206,21 +238,23 @@ def deploy_blockstore(
     """
     if not ray.is_initialized():
         raise StoreError("Ray is not connected: call kvstore.runtime.cluster.connect() first")
-    placements = _node_placements(config, cluster)
+    placements, domains = _node_placements(config, cluster)
+    config = config.with_overrides(failure_domains=domains)
     nodes = {i: _start_node(config, i, placements[i]) for i in range(config.storage_nodes)}
     node_ids = sorted(nodes)
     if wait:  # nodes first, so the meta shards' rebuild finds them answering
         ray.get([h.ping.remote() for h in nodes.values()], timeout=_START_TIMEOUT_S)
+    control = control_plane_options()
     metas = [
         MetaShardActor.options(  # type: ignore[attr-defined]
-            **actor_options(meta_actor_name(config.deployment, i))
+            **actor_options(meta_actor_name(config.deployment, i), **control)
         ).remote(i, config, node_ids)
         for i in range(config.meta_shards)
     ]
     repair = None
     if start_repair:
         repair = RepairActor.options(  # type: ignore[attr-defined]
-            **actor_options(repair_actor_name(config.deployment))
+            **actor_options(repair_actor_name(config.deployment), **control)
         ).remote(config, node_ids)
     handles = BlockStoreHandles(config, nodes, metas, repair, placements)
     if wait:

@@ -4,7 +4,9 @@ Every Ray failure a caller can see becomes ``NodeUnavailable`` (``NodeDead`` whe
 the actor dead for good): ``ActorDiedError``, ``ActorUnavailableError`` (restarting, or on a
 machine not yet declared dead), ``GetTimeoutError``, ``ActorUnschedulableError`` (not a
 ``RayActorError``), ``RayTaskError`` (the actor method raised), ``ObjectLostError``. Nothing
-from Ray escapes the caller.
+from Ray escapes the caller. One remote error keeps its kind: a storage node's ``NodeDraining``
+(through Ray or over the socket) comes back as ``NodeDraining``, since a writer treats a draining
+node differently from a failed one (it places around it, readers keep using it).
 
 Methods in ``fast_methods`` (a storage node's shard calls, a meta shard's lookups and write
 calls, an entrypoint's ``lookup``, an SWA store's ``fetch``: the byte and hit paths) go over the
@@ -44,7 +46,7 @@ import ray
 from ray.exceptions import ActorDiedError, RayError
 
 from kvstore.blockstore.fanout import Target, Ticket
-from kvstore.errors import NodeDead, NodeUnavailable
+from kvstore.errors import NodeDead, NodeDraining, NodeUnavailable
 from kvstore.runtime.fastcall import (
     HANDSHAKE_TIMEOUT_S,
     FastChannel,
@@ -229,6 +231,9 @@ class RayFanout:
                 self._handles.pop(target, None)
             raise NodeDead(f"{target} died: {_short(error)}") from None
         except RayError as error:  # unavailable, timeout, unschedulable, task error, lost
+            cause = getattr(error, "cause", None)  # a RayTaskError: what the method raised
+            if isinstance(cause, NodeDraining):
+                raise NodeDraining(f"{target}: {cause}") from None
             log.debug("call to %s failed: %s", target, error)
             raise NodeUnavailable(f"{target}: {type(error).__name__}: {_short(error)}") from None
 
@@ -287,7 +292,7 @@ class RayFanout:
             log.debug("%s.%s goes through Ray: %s", call.target, call.method, error)
             self._via_ray_instead(call, forget=False)
         except RemoteError as error:
-            call.fail(NodeUnavailable(f"{call.target}: {error}"))
+            call.fail(_remote_failure(call.target, str(error)))
         except (OSError, EOFError) as error:
             # The socket went stale (the actor restarted on a new port, or died): ask once
             # more through Ray, which knows whether a replacement is up.
@@ -360,6 +365,14 @@ class _Call(Ticket[R]):
     def fail(self, error: NodeUnavailable) -> None:
         self.outcome = (False, error)
         self.args, self.kwargs = (), {}
+
+
+def _remote_failure(target: Target[Any], text: str) -> NodeUnavailable:
+    """What a socket call's remote error (``"<type name>: <message>"``, ``fastcall``) becomes:
+    ``NodeDraining`` for a draining node's refusal, ``NodeUnavailable`` for anything else."""
+    if text.startswith(f"{NodeDraining.__name__}:"):
+        return NodeDraining(f"{target}: {text}")
+    return NodeUnavailable(f"{target}: {text}")
 
 
 def _short(error: BaseException) -> str:

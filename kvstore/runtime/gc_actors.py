@@ -31,8 +31,9 @@ from kvstore.clock import SystemClock
 from kvstore.errors import InvalidArgument, StoreError
 from kvstore.gc.config import GCConfig
 from kvstore.gc.planner import GCPlan, plan_index
-from kvstore.gc.worker import GCWorker, PassReport, ReconcileLoop
+from kvstore.gc.worker import GCWorker, PassReport, ReconcileLoop, Tally
 from kvstore.runtime.blockstore_actors import actor_options, find_actor, name_resolver
+from kvstore.runtime.cluster import control_plane_options
 from kvstore.runtime.fanout import RayFanout
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ class GCWorkerActor:
             call_timeout_s=config.call_timeout_s,
         )
         self._last: dict[str, object] | None = None
+        # What every pass of this worker removed since it started (``status()["removed"]``):
+        # the last pass alone says nothing of a run that spans many passes.
+        self._removed = {"expired": Tally(), "evicted": Tally()}
+        self._removed_lock = threading.Lock()
         self._paused = not run
         self._loop = ReconcileLoop(self._scheduled_pass, gc_config.scan_interval_s)
         self._thread = threading.Thread(target=self._loop.run, name="gc-loop", daemon=True)
@@ -72,19 +77,30 @@ class GCWorkerActor:
     def _scheduled_pass(self) -> None:
         if self._paused:
             return
-        self._last = self._worker.run_once().as_dict()
+        self._last = self._count(self._worker.run_once())
+
+    def _count(self, report: PassReport) -> dict[str, object]:
+        with self._removed_lock:
+            for total, tally in (
+                (self._removed["expired"], report.expired),
+                (self._removed["evicted"], report.evicted),
+            ):
+                for name, blocks in tally.blocks.items():
+                    total.blocks[name] += blocks
+                    total.bytes[name] += tally.bytes[name]
+        return report.as_dict()
 
     def ping(self) -> bool:
         return True
 
     def run_once(self) -> dict[str, object]:
         """One pass now (at the wall clock)."""
-        self._last = self._worker.run_once().as_dict()
+        self._last = self._count(self._worker.run_once())
         return self._last
 
     def tick(self, now: float) -> dict[str, object]:
         """One pass as if the time were ``now`` (tests move time by days this way)."""
-        self._last = self._worker.tick(now).as_dict()
+        self._last = self._count(self._worker.tick(now))
         return self._last
 
     def pause(self, paused: bool = True) -> None:
@@ -94,12 +110,16 @@ class GCWorkerActor:
         self._worker.set_nodes(node_ids)
 
     def status(self) -> dict[str, object]:
+        with self._removed_lock:
+            removed = {reason: tally.as_dict() for reason, tally in self._removed.items()}
         return {
             "passes": self._loop.passes,
             "failures": self._loop.failures,
             "last_error": self._loop.last_error,
             "paused": self._paused,
             "last_pass": self._last,
+            # Blocks and block bytes removed by every pass so far, per class.
+            "removed": removed,
         }
 
     def stop(self) -> None:
@@ -117,7 +137,7 @@ def deploy_gc(
     ``run=False`` starts it paused: passes run only when asked (``run_once``/``tick``)."""
     if not ray.is_initialized():
         raise StoreError("Ray is not connected: call kvstore.runtime.cluster.connect() first")
-    options = actor_options(gc_actor_name(config.deployment))
+    options = actor_options(gc_actor_name(config.deployment), **control_plane_options())
     handle = GCWorkerActor.options(**options).remote(  # type: ignore[attr-defined]
         gc_config, config, node_ids, run
     )
@@ -225,20 +245,29 @@ def attach(address: str, deployment: str) -> LiveTier:
     from kvstore.runtime.cluster import connect
 
     if not ray.is_initialized():
-        _check_reachable(address)
+        check_reachable(address)
         connect(address)
     return LiveTier(deployment)
 
 
-def _check_reachable(address: str) -> None:
-    """Fail fast on an address nothing listens on: ``ray.init`` would retry for minutes."""
+def check_address(address: str) -> tuple[str, int] | None:
+    """``--address`` as (host, port), None for "auto"; ``InvalidArgument`` when it is neither."""
     if address == "auto":
-        return
+        return None
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise InvalidArgument("--address", f"expected HOST:PORT or auto, got {address!r}")
+    return host, int(port)
+
+
+def check_reachable(address: str) -> None:
+    """Fail fast on an address nothing listens on: ``ray.init`` would retry for minutes."""
+    parsed = check_address(address)
+    if parsed is None:
+        return
+    host, port = parsed
     try:
-        socket.create_connection((host, int(port)), timeout=3).close()
+        socket.create_connection((host, port), timeout=3).close()
     except OSError as error:
         raise StoreError(f"no kvstore cluster at {address} ({error.strerror or error})") from None
 

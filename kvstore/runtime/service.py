@@ -22,7 +22,7 @@ import ray
 from kvstore.api.gateway import Gateway
 from kvstore.api.server import ServerOptions
 from kvstore.config import ServiceConfig
-from kvstore.runtime.cluster import LocalCluster, alive_node_ids, connect
+from kvstore.runtime.cluster import LocalCluster, alive_node_ids, connect, control_node_ids
 from kvstore.runtime.deploy import BlockStoreHandles, deploy_blockstore
 from kvstore.runtime.gc_actors import deploy_gc
 from kvstore.runtime.swa_actors import SWADeployment, deploy_swa
@@ -65,7 +65,12 @@ class Service:
             machines = {machine: cluster.node_id(machine) for machine in cluster.machines}
         else:
             machines = {f"node-{node[:8]}": node for node in alive_node_ids()}
-        swa = deploy_swa(machines, config=config.swa, geometry=config.geometry)
+        swa = deploy_swa(
+            machines,
+            config=config.swa,
+            geometry=config.geometry,
+            entrypoint_nodes=control_node_ids() or None,  # a control host's, where there is one
+        )
         gc = None
         if config.run_gc:
             gc = deploy_gc(config.gc, blockstore_config)

@@ -407,7 +407,12 @@ def _start_store(deployment: SWADeployment, machine_id: str, node_id: str) -> An
 
 
 def deploy_swa(
-    machines: Mapping[str, str], *, config: SWAConfig, geometry: Any, detached: bool = False
+    machines: Mapping[str, str],
+    *,
+    config: SWAConfig,
+    geometry: Any,
+    detached: bool = False,
+    entrypoint_nodes: Sequence[str] | None = None,
 ) -> SWADeployment:
     """Start the SWA tier: a store on every machine and the entrypoint directory.
 
@@ -416,6 +421,8 @@ def deploy_swa(
     ``kvstore.geometry.GeometryConfig`` (state size, stored layers, window, block size).
     Returns once every actor answers. Non-detached actors live as long as the returned
     deployment (or the deploying process); ``detached=True`` keeps them until ``shutdown``.
+    ``entrypoint_nodes``: the Ray nodes the directory's entrypoints prefer (default: the
+    machines', in turn).
     """
     if not machines:
         raise InvalidArgument("machines", "the SWA tier needs at least one machine")
@@ -423,7 +430,7 @@ def deploy_swa(
     deployment = SWADeployment(
         **layout_for(config, geometry, shard_ids(count)).__dict__, detached=detached
     )
-    node_ids = list(machines.values())
+    node_ids = list(entrypoint_nodes or machines.values())
     for index, shard in enumerate(deployment.shards):
         deployment.handles[entry_actor_name(config, shard)] = SWAEntrypointActor.options(  # type: ignore[attr-defined]
             name=entry_actor_name(config, shard),

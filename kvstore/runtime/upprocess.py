@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -39,13 +40,15 @@ class TierProcess:
         env: dict[str, str] | None = None,
         log: Path | None = None,
         timeout_s: float = 240.0,
+        prefix: Sequence[str] = (),
     ) -> TierProcess:
         """Start ``kvstore up --port 0 --data-dir DATA_DIR ARGS...``; returns once it serves
-        (raises ``RuntimeError`` with the end of its output when it does not)."""
+        (raises ``RuntimeError`` with the end of its output when it does not). ``prefix`` goes
+        before the command (``ip netns exec HOST``: a testbed host)."""
         data_dir = Path(data_dir)
         data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         log = log or data_dir / "kvstore-up.log"
-        command = [sys.executable, "-m", "kvstore.cli", "up", "--port", "0"]
+        command = [*prefix, sys.executable, "-m", "kvstore.cli", "up", "--port", "0"]
         command += ["--data-dir", str(data_dir), *args]
         with log.open("wb") as out:
             process = subprocess.Popen(

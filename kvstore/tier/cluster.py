@@ -38,7 +38,7 @@ from kvstore.keys import BlockKey, check_key, check_keys, state_slot
 from kvstore.swa.client import SWAClient
 from kvstore.swa.directory import StoreRef
 from kvstore.tier.coalesce import AsyncCoalescer, Coalescer
-from kvstore.tier.hit import HitGeometry, HitQuery, HitResult
+from kvstore.tier.hit import HitGeometry, HitQuery, HitResult, NoStates
 from kvstore.tier.leases import MAX_OPEN_LEASES, LeaseTable
 from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, StateRead, Stats
 
@@ -105,18 +105,6 @@ class _CoalescedStates:
         return await self._tier._async_locates().call(state_slot(key, position))
 
 
-class _NoStates:
-    def locate(
-        self, key: BlockKey, position: int, prefer_machine: str | None = None
-    ) -> StoreRef | None:
-        return None
-
-    async def locate_async(
-        self, key: BlockKey, position: int, prefer_machine: str | None = None
-    ) -> StoreRef | None:
-        return None
-
-
 class ClusterTier:
     """``kvstore.tier.protocols.Tier`` over a deployed block tier and (optionally) SWA tier.
     Thread-safe: the gateway calls it from a pool of threads."""
@@ -160,7 +148,7 @@ class ClusterTier:
         # The same for callers on the gateway's asyncio loop (made there, on first use).
         self._async: tuple[AsyncCoalescer[Any, Any], AsyncCoalescer[Any, Any]] | None = None
         # One hit query per traffic class, built once (it hashes the geometry's fingerprint).
-        states = _CoalescedStates(self) if swa is not None else _NoStates()
+        states = _CoalescedStates(self) if swa is not None else NoStates()
         self._queries = {
             name: HitQuery(
                 blocks=_CoalescedBlocks(self, name),
@@ -401,7 +389,7 @@ class ClusterTier:
             swa_bytes_stored=int(swa.get("used_bytes", 0)),
             degraded_reads=degraded,
             repairs_done=int(repair.get("stripes", 0)) if repair else 0,
-            repairs_pending=len(dead),
+            repairs_pending=_pending(repair, dead),
             live_storage_nodes=self._storage_nodes - len(down),
             storage_nodes=self._storage_nodes,
             extra={
@@ -451,4 +439,14 @@ def put_answer(result: PutResult) -> PutAnswer:
         existing=len(result.existing),
         busy_keys=tuple(result.busy),
         failed_keys=tuple(result.failed),
+        under_redundant=len(result.under_redundant),
     )
+
+
+def _pending(repair: dict[str, Any] | None, dead: list[int]) -> int:
+    """Stripes still to repair or move (the repair queues' figure); the dead nodes, from a
+    repair loop that does not report one."""
+    progress = (repair or {}).get("progress")
+    if isinstance(progress, dict) and "stripes_left" in progress:
+        return int(progress["stripes_left"])
+    return len(dead)

@@ -63,6 +63,21 @@ class StateLocator(Protocol):
     ) -> StoreRef | None: ...
 
 
+class NoStates:
+    """A ``StateLocator`` that holds no state: a tier without an SWA tier, or a trace replay
+    (a trace carries no states, so bounded replay keeps the block hit)."""
+
+    def locate(
+        self, key: BlockKey, position: int, prefer_machine: str | None = None
+    ) -> StoreRef | None:
+        return None
+
+    async def locate_async(
+        self, key: BlockKey, position: int, prefer_machine: str | None = None
+    ) -> StoreRef | None:
+        return None
+
+
 #: What the plan asks of the tiers between its steps: ("blocks", keys) or
 #: ("state", (key, position)).
 _Need = tuple[str, Any]

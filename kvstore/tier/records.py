@@ -8,7 +8,8 @@ demo and the chaos load are written once against them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,10 @@ class PutAnswer:
     busy_keys: tuple[BlockKey, ...] = ()
     #: Not stored (not enough live nodes, a node failed mid-write): not visible.
     failed_keys: tuple[BlockKey, ...] = ()
+    #: Of ``stored``, how many were written with fewer shards than a full stripe (nodes down or
+    #: draining): visible, with less redundancy until the repair restores them. Not a fifth
+    #: outcome: these are counted in ``stored`` too.
+    under_redundant: int = 0
 
     @property
     def committed(self) -> int:
@@ -139,3 +144,14 @@ class Stats:
     live_storage_nodes: int = 0
     storage_nodes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def stat_number(figures: Any, key: str) -> float | None:
+    """``figures[key]`` of a stats mapping (e.g. ``Stats.extra["repair"]``) as a finite number;
+    None when absent or not one: a figure nobody reported must not read as 0."""
+    if not isinstance(figures, Mapping):
+        return None
+    value = figures.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)

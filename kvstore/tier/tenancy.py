@@ -298,6 +298,7 @@ class TenantView:
             stored=answer.stored,
             existing=answer.existing,
             busy_keys=tuple(back[key] for key in answer.busy_keys),
+            under_redundant=answer.under_redundant,
             failed_keys=tuple(back[key] for key in answer.failed_keys),
         )
 

@@ -11,15 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.blockstore.config import StorageNodeConfig
+from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
 from kvstore.blockstore.node import StorageNode
 from kvstore.chaos.catalog import CATALOG, DEFAULT_RUN, SCENARIO_NAMES
 from kvstore.chaos.faults import CORRUPTIONS, corrupt_shard
 from kvstore.chaos.ledger import Ledger, payload_for
+from kvstore.chaos.load import LoadStats, PutCounts, PutRecord
 from kvstore.chaos.table import ScenarioResult, format_table, to_json
 from kvstore.chaos.tier import ChaosConfig
 from kvstore.ec import Codec
 from kvstore.errors import ConfigError, InvalidArgument
+from kvstore.keys import BlockKey
 
 
 def test_payloads_are_a_pure_function_of_the_key() -> None:
@@ -85,9 +87,56 @@ def test_chaos_config_needs_a_spare_machine_and_positive_timings(tmp_path: Path)
         ChaosConfig(data_root="")
 
 
-def test_the_catalog_lists_the_fourteen_scenarios_and_the_default_five() -> None:
-    assert [number for number, *_ in CATALOG] == list(range(1, 15))
-    assert len(set(SCENARIO_NAMES)) == 14
+def test_the_chaos_config_passes_the_repair_knobs_through(tmp_path: Path) -> None:
+    plain = ChaosConfig(data_root=str(tmp_path)).blockstore()
+    assert plain.scrub_bytes_per_s == 0  # the scenarios that damage shards scrub themselves
+    assert plain.repair_bytes_per_s == BlockStoreConfig().repair_bytes_per_s
+    tuned = ChaosConfig(
+        data_root=str(tmp_path),
+        repair_bytes_per_s=1 << 20,
+        repair_stripes_per_round=8,
+        repair_round_bytes=1 << 22,
+        min_write_shards=12,
+        scrub_bytes_per_s=1 << 16,
+    ).blockstore()
+    assert (tuned.repair_bytes_per_s, tuned.repair_stripes_per_round) == (1 << 20, 8)
+    assert (tuned.repair_round_bytes, tuned.min_write_shards) == (1 << 22, 12)
+    assert tuned.scrub_bytes_per_s == 1 << 16
+    with pytest.raises(ConfigError, match="repair_bytes_per_s"):
+        ChaosConfig(data_root=str(tmp_path), repair_bytes_per_s=0)
+    with pytest.raises(ConfigError, match="scrub_bytes_per_s"):
+        ChaosConfig(data_root=str(tmp_path), scrub_bytes_per_s=-1)
+
+
+def test_the_load_counts_puts_and_latencies_in_a_window() -> None:
+    stats = LoadStats()
+    keys = [BlockKey(os.urandom(32)) for _ in range(6)]
+    stats.put_log += [
+        PutRecord(1.0, 1.1, 4, 0, 0, tuple(keys[:4])),  # before the window
+        PutRecord(2.0, 2.2, 3, 3, 1, tuple(keys[4:])),  # 3 under-redundant, 1 failed
+        PutRecord(3.0, 3.1, 4, 1, 0, ()),
+        PutRecord(5.0, 5.1, 0, 0, 4, ()),  # after the window
+    ]
+    counts = stats.puts_between(2.0, 5.0)
+    assert (counts.calls, counts.ok, counts.under_redundant, counts.failed) == (2, 3, 4, 1)
+    assert counts.attempted == 8 and counts.stored_fraction == 7 / 8
+    assert counts.as_dict()["stored_fraction"] == 0.875
+    assert PutCounts().stored_fraction is None
+    # A put in flight when the window opens counts as running in it.
+    running = stats.puts_between(1.05, 2.1, running=True)
+    assert (running.calls, running.ok, running.under_redundant) == (2, 4, 3)
+    assert stats.puts_between(1.05, 2.1).calls == 1
+    assert stats.keys_put_between(1.5) == keys[4:]
+    stats.get_latencies += [(0.5, 0.001), (1.5, 0.002), (2.5, 0.010), (3.5, 0.004)]
+    assert stats.latencies(1.0, 3.0) == [0.002, 0.010]
+    assert stats.percentile_ms(50, since=3.0) == pytest.approx(4.0)
+    assert stats.percentile_ms(99, 10.0) is None
+
+
+def test_the_catalog_lists_the_seventeen_scenarios_and_the_default_five() -> None:
+    assert [number for number, *_ in CATALOG] == list(range(1, 18))
+    assert len(set(SCENARIO_NAMES)) == 17
+    assert SCENARIO_NAMES[-3:] == ("repair-rate", "drain", "scrub")
     assert DEFAULT_RUN == ("kill-two", "kill-three", "corrupt", "swa", "torn-tail")
 
 

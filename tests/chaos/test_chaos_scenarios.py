@@ -96,10 +96,12 @@ def test_compaction_moves_leased_blocks_under_reads_without_a_wrong_byte(
     assert result.ok
 
 
-def test_a_node_holding_200k_shards_serves_again_within_5_s(chaos_tier: ChaosTier) -> None:
+def test_a_node_holding_200k_shards_serves_them_all_again(chaos_tier: ChaosTier) -> None:
+    # How fast is benchmarks/node_restart.py's to check (tests do not time things).
     result = run_scenario(chaos_tier, BY_NAME["restart-200k"])
     assert result.violations == []
     assert result.details["shards"] >= 200_000
-    assert result.details["restart_to_serving_s"] <= 5.0
+    assert result.details["restart_to_serving_s"] is not None
+    assert set(result.details["targets"]) == {"restart_to_serving_s"}
     assert result.wrong_bytes == 0 and result.failed_reads == 0 and result.blocks_lost == 0
     assert result.ok

@@ -20,6 +20,10 @@ def test_killing_two_storage_nodes_of_a_stripe_under_load_loses_nothing(
     assert result.failed_reads == 0  # not one read of a committed block missed
     assert result.blocks_lost == 0
     assert result.details["load"]["reads_ok"] > 0 and result.details["load"]["puts_ok"] > 0
+    # Puts go on with 2 of 13 nodes down (11 failure domains: under-redundant, still stored).
+    both_down = result.details["puts_with_both_down"]
+    assert both_down["ok"] + both_down["under_redundant"] + both_down["failed"] >= 50
+    assert both_down["stored_fraction"] >= 0.99
     assert (
         result.details["degraded_read_of_all"]["ok"]
         == result.details["degraded_read_of_all"]["blocks"]

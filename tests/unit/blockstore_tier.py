@@ -83,3 +83,19 @@ class _Tampered:
         lengths = np.array([-1 if s is None else s.size for s in answer], dtype=np.int64)
         present = [s for s in answer if s is not None]
         return (np.concatenate(present) if present else np.zeros(0, np.uint8)), lengths
+
+
+def reads_exact(tier: Tier, keys: list[bytes], payloads: list[np.ndarray]) -> bool:
+    """Whether every key reads back bit-exact through the tier's client."""
+    got = tier.client.get_blocks(keys)
+    return all(
+        g is not None and g.tobytes() == p.tobytes() for g, p in zip(got, payloads, strict=True)
+    )
+
+
+def placements_of(tier: Tier, keys: list[bytes]) -> np.ndarray:
+    """The committed placements of ``keys`` (all must hit), from a lookup."""
+    found = tier.client.lookup(keys)
+    assert found.hit_blocks == len(keys) and found.lease is not None
+    tier.client.release(found.lease)
+    return found.lease.placements

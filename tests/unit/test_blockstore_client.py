@@ -3,7 +3,9 @@ degraded and hedged reads, misses instead of exceptions, never wrong bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 import time
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 from blockstore_tier import Tier
 
+from kvstore.blockstore.client import BlockStoreClient
 from kvstore.blockstore.fanout import META, NODE
 from kvstore.blockstore.placement import place
 from kvstore.blockstore.records import Lease
@@ -184,17 +187,105 @@ def test_reads_rebuilt_from_parity_are_counted_as_degraded(tmp_path: Path) -> No
     assert tier.client.counters["degraded_blocks"] == needs_parity
 
 
+def _data_holders(key: bytes, nodes: int) -> list[int]:
+    """The nodes holding ``key``'s data shards (a read that knows no slow node asks them)."""
+    return [int(n) for n in place([key], range(nodes), 12)[0, :10]]
+
+
+def _asked_node(tier: Tier, key: bytes) -> int:
+    """A node the next read of ``key`` asks first: one holding a data shard of it, and not slow
+    by the client's latency estimates (in-process they are microseconds, and one scheduling
+    hiccup can make a node count as slow; then reads ask it last, and hanging it proves
+    nothing)."""
+    slow = tier.client.stats()["slow_nodes"]
+    assert isinstance(slow, list)
+    return next(n for n in _data_holders(key, len(tier.nodes)) if n not in slow)
+
+
 def test_a_hung_node_is_hedged_around(tmp_path: Path) -> None:
     tier = Tier(tmp_path, call_timeout_s=3.0)
     keys = [_key(i) for i in range(10)]
     payloads = [_payload(i) for i in range(10)]
     tier.client.put_blocks(keys, payloads)
-    tier.fanout.hung.add((NODE, 3))
+    tier.fanout.hung.add((NODE, _asked_node(tier, keys[0])))
     started = time.monotonic()
     got = tier.client.get_blocks(keys)
     assert time.monotonic() - started < tier.config.call_timeout_s
     assert all(_same(g, p) for g, p in zip(got, payloads, strict=True))
     assert tier.client.stats()["hedged_reads"] >= 1
+
+
+def test_a_read_whose_answers_are_in_does_not_hedge_however_late_the_reader_looks(
+    tmp_path: Path,
+) -> None:
+    # A reader descheduled past its hedge time (a busy host: CI's two cores) found its answers
+    # waiting, yet hedged, because it looked at the clock before at them. A hedge delay of 1 ns
+    # makes every read that late: the in-process nodes answered while they were asked.
+    tier = Tier(tmp_path, hedge_after_s=1e-9)
+    key, payload = _key(1), _payload(1)
+    tier.client.put_blocks([key], [payload])
+    before = len(tier.fanout.calls)
+    for _ in range(10):  # fewer than are timed before the learned delay takes over
+        assert _same(tier.client.get_blocks([key])[0], payload)
+    assert tier.client.stats().get("hedged_reads", 0) == 0
+    gets = [target for target, method in tier.fanout.calls[before:] if method == "get"]
+    assert len(gets) <= 10 * tier.config.data_shards + 2  # k nodes a read (+ probes of slow ones)
+
+
+def test_a_node_is_slow_only_when_it_is_slower_by_a_margin_that_matters(tmp_path: Path) -> None:
+    # Microseconds apart is noise (one scheduling hiccup), not a reason to read parity instead.
+    tier = Tier(tmp_path)
+    for node in range(12):
+        tier.client._note_latency(node, 20e-6)
+    tier.client._note_latency(4, 0.0004)  # 20x the median, yet 0.4 ms: not slow
+    assert tier.client.stats()["slow_nodes"] == []
+    tier.client._note_latency(4, 0.005, lower_bound=True)  # 5 ms: slow
+    assert tier.client.stats()["slow_nodes"] == [4]
+
+
+def test_a_node_that_stays_slow_costs_one_hedge_not_one_per_probe(tmp_path: Path) -> None:
+    # Every few reads also probe the slow node; the read is done before the probe answers, so
+    # the probe's wait is only a lower bound of the node's latency. Folded in as an answer it
+    # made the hung node look fast again every few probes, and the next read waited for its
+    # hedge again (the chaos slow-node scenario's p99 at 4.6x normal).
+    tier = Tier(tmp_path)
+    key, payload = _key(1), _payload(1)
+    tier.client.put_blocks([key], [payload])
+    tier.fanout.hung.add((NODE, _data_holders(key, 12)[0]))
+    for _ in range(200):
+        assert _same(tier.client.get_blocks([key])[0], payload)
+    # One hedge at most: none when the puts' timings already ranked the node last (then the
+    # first probe finds it slow).
+    assert tier.client.stats().get("hedged_reads", 0) <= 1
+
+
+def test_the_hedge_waits_for_the_typical_tail_of_reads_of_that_size(tmp_path: Path) -> None:
+    # Until reads of a size were timed a read waits ``hedge_after_s`` before asking the other
+    # nodes; then the ``hedge_percentile`` of recent reads (here: in-process, about nothing, so
+    # the 1 ms floor). A node that turns slow then costs a read about one normal tail.
+    tier = Tier(tmp_path, hedge_after_s=2.0, call_timeout_s=10.0)
+    keys = [_key(i) for i in range(3)]
+    payloads = [_payload(i) for i in range(3)]
+    tier.client.put_blocks(keys, payloads)
+    for _ in range(20):
+        assert _same(tier.client.get_blocks(keys[:1])[0], payloads[0])
+    delays = tier.client.stats()["hedge_delay_ms"]
+    assert isinstance(delays, dict)
+    assert set(delays) == {1}  # single-block reads only so far
+    assert delays[1] < 2000.0
+    tier.fanout.hung.add((NODE, _asked_node(tier, keys[0])))
+    started = time.monotonic()
+    assert _same(tier.client.get_blocks(keys[:1])[0], payloads[0])
+    assert time.monotonic() - started < 1.0  # hedged at the learned delay, not at 2 s
+    assert tier.client.stats()["hedged_reads"] == 1
+    # A batch of two blocks has not been timed yet: it waits the configured 2 s.
+    tier.fanout.hung.clear()
+    tier.fanout.hung.add((NODE, _data_holders(keys[1], 12)[0]))
+    tier.client._latency.clear()  # forget which node was slow: the read asks it again
+    started = time.monotonic()
+    got = tier.client.get_blocks(keys[1:])
+    assert time.monotonic() - started >= 2.0
+    assert all(_same(g, p) for g, p in zip(got, payloads[1:], strict=True))
 
 
 def test_a_dead_meta_shard_is_a_miss_and_a_failed_put_never_an_exception(tier: Tier) -> None:
@@ -222,8 +313,54 @@ def test_a_put_around_a_dead_node_lands_on_healthy_ones(tmp_path: Path) -> None:
     assert tier.client.put_blocks(more, [_payload(i) for i in range(20)]).ok
 
 
-def test_fewer_than_twelve_live_nodes_means_the_put_fails_cleanly(tier: Tier) -> None:
-    tier.fanout.dead.add((NODE, 0))
+def _put_14(tier: Tier) -> None:
+    keys = [os.urandom(32) for _ in range(14)]  # 14 stripes: every node takes shards of some
+    assert tier.client.put_blocks(keys, [_payload(i) for i in range(14)]).ok
+
+
+def _window(tier: Tier, node: int) -> float:
+    return tier.client._retry_at[node] - time.monotonic()
+
+
+def test_a_node_that_times_out_in_a_row_is_skipped_twice_as_long_each_time(
+    tmp_path: Path,
+) -> None:
+    # A node cut off (a partitioned host: every call waits out the timeout) must not cost every
+    # put a call timeout.
+    tier = Tier(tmp_path, nodes=14, node_retry_s=0.05, call_timeout_s=0.2)
+    tier.fanout.hung.add((NODE, 2))
+    windows = []
+    for _ in range(6):
+        tier.client._retry_at.pop(2, None)  # its window over: the next put tries it again
+        _put_14(tier)
+        windows.append(_window(tier, 2))
+    assert 2 in tier.client.down_nodes()
+    # 0.05, 0.1, 0.2, 0.4, then capped at 8 x 0.05.
+    assert windows[0] <= 0.05 < windows[1] <= 0.1 < windows[2] <= 0.2 < windows[3] <= 0.4
+    assert 0.35 < windows[4] <= 0.4 and 0.35 < windows[5] <= 0.4
+    # Answering again resets it: the next timeout is skipped for node_retry_s again.
+    tier.fanout.hung.discard((NODE, 2))
+    tier.client._retry_at.pop(2)
+    _put_14(tier)
+    assert 2 not in tier.client._failures_in_a_row
+    tier.fanout.hung.add((NODE, 2))
+    _put_14(tier)
+    assert _window(tier, 2) <= 0.05
+
+
+def test_a_node_that_refuses_at_once_is_tried_again_after_node_retry_s(tmp_path: Path) -> None:
+    # A dead process (a restart on its way) costs nothing to try: no growing window for it.
+    tier = Tier(tmp_path, nodes=14, node_retry_s=0.05, call_timeout_s=0.2)
+    tier.fanout.dead.add((NODE, 2))
+    for _ in range(4):
+        tier.client._retry_at.pop(2, None)
+        _put_14(tier)
+        assert _window(tier, 2) <= 0.05
+    assert 2 not in tier.client._failures_in_a_row
+
+
+def test_fewer_than_min_write_shards_live_nodes_means_the_put_fails_cleanly(tier: Tier) -> None:
+    tier.fanout.dead |= {(NODE, 0), (NODE, 1)}  # 10 of 12 live: under min_write_shards = 11
     result = tier.client.put_blocks([_key(1)], [b"payload"])
     assert result.failed == [_key(1)]
     tier.client._retry_at.clear()
@@ -304,6 +441,28 @@ def test_corrupt_and_foreign_shards_are_never_decoded_into_wrong_bytes(tier: Tie
     assert all(_same(g, p) for g, p in zip(rest, payloads[1:], strict=True))
 
 
+def test_a_hedged_read_whose_shards_do_not_decode_asks_the_node_it_gave_up_on(
+    tier: Tier,
+) -> None:
+    # Two slow data nodes make the read hedge: every node is asked, and the read stops as soon
+    # as k shards are in, giving up on the slow ones. One of those k is damaged, so the stripe
+    # does not decode. The second chance must ask the nodes given up on (their answers are the
+    # shards that are missing), not only nodes never asked: there are none left after a hedge,
+    # and the block came back a miss (the chaos scrub scenario's failed reads).
+    key, payload = _key(1), _payload(1)
+    tier.client.put_blocks([key], [payload])
+    placement = tier.client.lookup([key]).lease.blocks[0].placement  # type: ignore[union-attr]
+    slow = {(NODE, int(placement[0])), (NODE, int(placement[1]))}
+    tier.tamper(int(placement[2]), key, _flip_last_byte)
+    tier.fanout.late_once |= slow
+    # A fresh reader asks exactly the data shards first (the writer's own latency estimates,
+    # from the puts, may rank a node slow and ask parity instead).
+    reader = BlockStoreClient(tier.config, tier.fanout, clock=tier.clock)
+    assert _same(reader.get_blocks([key])[0], payload)
+    assert reader.stats()["hedged_reads"] == 1
+    assert reader.stats()["second_chance_reads"] == 1
+
+
 def test_a_shard_with_a_damaged_header_is_left_out_and_counted(tier: Tier) -> None:
     keys = [_key(i) for i in range(3)]
     payloads = [_payload(i) for i in range(3)]
@@ -312,9 +471,15 @@ def test_a_shard_with_a_damaged_header_is_left_out_and_counted(tier: Tier) -> No
     # data shards, so the reader needs them (or parity in their place)
     tier.tamper(blocks[0].placement[4], keys[0], lambda shard: shard[:10])  # shorter than a header
     tier.tamper(blocks[1].placement[5], keys[1], lambda shard: np.zeros_like(shard))  # no magic
-    got = tier.client.get_blocks(keys)
+    # Only shards the reader looks at are counted. A reader that hedges (a call slower than
+    # 20 ms on a loaded machine) may finish a stripe from parity before the damaged shard
+    # arrives, and one that remembers a node as slow from the puts asks parity instead of it:
+    # a fresh reader that waits for its first k asks exactly the data shards.
+    patient = dataclasses.replace(tier.config, hedge_after_s=60.0, call_timeout_s=60.0)
+    reader = BlockStoreClient(patient, tier.fanout, clock=tier.clock)
+    got = reader.get_blocks(keys)
     assert all(_same(g, p) for g, p in zip(got, payloads, strict=True))  # parity stood in
-    assert tier.client.counters["corrupt_shards"] >= 2
+    assert reader.counters["corrupt_shards"] >= 2
 
 
 def test_a_rewritten_block_reads_as_the_new_write_never_a_mix(tier: Tier) -> None:

@@ -5,8 +5,8 @@ Logic packages (``tier``, ``blockstore``, ``swa``, ``gc``, ``api``, ``gpu``, ``e
 ``verify``, ...) reach the cluster only through injected seams (a ``Fanout``, an ``SWATransport``,
 a ``TierControl``), so they run — and are unit-tested — without Ray. Only the wiring may reach Ray
 or ``kvstore.runtime``: ``runtime`` itself, the CLI and its sub-commands (they start services),
-the demo's runner (it starts a cluster), and ``chaos`` — failure injection kills actors and
-machines, which only the runtime can name (the one stated exemption).
+the demo's runner (it starts a cluster), the multi-host ``testbed`` (it starts Ray on its hosts),
+and ``chaos`` — failure injection kills actors and machines, which only the runtime can name.
 
 Every import counts, including those inside functions: a lazy ``import ray`` is still a
 dependency on Ray.
@@ -27,7 +27,10 @@ WIRING = (
     "kvstore.cli",
     "kvstore.commands",
     "kvstore.demo.runner",
+    "kvstore.trace.replay",  # like the demo's runner: starts the embedded tier it replays into
+    "kvstore.trace.replay_report",  # the replay's report: reads the replay's per-request records
     "kvstore.chaos",  # failure injection: kills actors and machines by their Ray handles
+    "kvstore.testbed",  # the multi-host testbed: starts Ray on its hosts, like the runtime
 )
 FORBIDDEN = ("ray", "kvstore.runtime")
 #: The modules that may import vLLM: the connector vLLM loads by name, and the runner that

@@ -92,6 +92,26 @@ def test_leases_protect_blocks_from_gc_until_released_or_expired() -> None:
     assert [r.key for r in meta.gc_evict([_key(3)], clock.now())] == [_key(3)]
 
 
+def test_gc_evict_keeps_a_block_used_after_the_evictor_chose_it() -> None:
+    """A GC pass reads the LRU order, then evicts (seconds later on a busy tier): a block a
+    reader used in between is no longer least recently used and stays; the others go."""
+    clock = ManualClock(1_000_000.0)
+    meta = _shard(clock)
+    _commit(meta, [_key(1), _key(2), _key(3)])
+    clock.advance(5)
+    chosen_at = clock.now()
+    candidates = [key for _, key, _ in meta.gc_lru_candidates(chosen_at, 3000)]
+    assert candidates == [_key(1), _key(2), _key(3)]
+    clock.advance(1)
+    meta.lookup([_key(2)])  # used after the choice; its lease given back at once
+    meta.release([_key(2)])
+    removed = meta.gc_evict(candidates, clock.now(), chosen_at=chosen_at)
+    assert sorted(r.key for r in removed) == [_key(1), _key(3)]
+    assert meta.locate([_key(2)]).found.tolist() == [True]
+    # Without the choice's time (an older caller) only leases protect a block.
+    assert [r.key for r in meta.gc_evict([_key(2)], clock.now())] == [_key(2)]
+
+
 def test_gc_expire_and_lru_and_bytes_by_class() -> None:
     clock = ManualClock(1_000_000.0)
     meta = _shard(clock)
@@ -179,19 +199,22 @@ def test_rebuild_prefers_the_newer_copy_and_the_write_with_most_shards() -> None
     assert meta.locate([key]).placements[0].tolist() == list(range(11)) + [13]
 
 
-def test_stripes_to_repair_and_compare_and_set_moves() -> None:
+def test_repair_queue_hands_out_stripes_once_and_compare_and_set_moves() -> None:
     meta = _shard()
     keys = [_key(i) for i in range(5)]
     _commit(meta, keys)
-    stripes, cursor = meta.stripes_to_repair([3], limit=2)
-    assert len(stripes) == 2 and cursor > 0
-    rest, cursor = meta.stripes_to_repair([3], limit=10, start_row=cursor)
-    assert len(rest) == 3 and cursor == 0
+    stripes, summary = meta.repair_queue([3], [], limit=2, max_bytes=1 << 30)
+    assert len(stripes) == 2 and summary["stripes_left"] == 5 and summary["lost_1"] == 5
+    rest, summary = meta.repair_queue([3], [], limit=10, max_bytes=1 << 30)
+    assert len(rest) == 3 and summary["stripes_left"] == 3
+    assert {s.key for s in stripes + rest} == set(keys)
+    assert meta.repair_queue([3], [], limit=10, max_bytes=1 << 30)[0] == []  # handed out
     assert meta.set_placements([(keys[0], 3, 13, 3), (keys[1], 3, 13, 99)]) == [True, False]
     assert meta.locate([keys[0]]).placements[0, 3] == 13
     assert meta.referenced([keys[0], keys[1], _key(77)], 13) == [True, False, False]
     assert meta.referenced([keys[0]], 3) == [False]
-    assert len(meta.stripes_to_repair([3], limit=10)[0]) == 4
+    again, summary = meta.repair_queue([3], [], limit=10, max_bytes=1 << 30, refresh=True)
+    assert len(again) == 4 and summary["stripes_left"] == 4
 
 
 def test_keys_of_another_shard_are_rejected() -> None:

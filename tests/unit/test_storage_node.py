@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -148,7 +149,24 @@ def test_a_torn_tail_is_cut_off_and_appends_continue_after_it(tmp_path: Path) ->
     assert third.stats()["damaged_records"] == 0  # the torn bytes were cut, not left behind
 
 
-def test_garbage_in_the_middle_loses_only_what_it_covers(tmp_path: Path) -> None:
+def _flip_whole_bytes(data: bytearray, at: int) -> None:
+    data[at : at + 200] = os.urandom(200)  # the header and the start of the shard
+
+
+def _flip_length(data: bytearray, at: int) -> None:
+    data[at + 40] ^= 0x5A  # magic intact: the bulk framing walks onto it, with a wrong length
+
+
+def _flip_checksum(data: bytearray, at: int) -> None:
+    data[at + 90] ^= 0x5A
+
+
+@pytest.mark.parametrize("damage", [_flip_whole_bytes, _flip_length, _flip_checksum])
+def test_damage_in_the_middle_loses_only_the_record_it_covers(
+    tmp_path: Path, damage: Callable[[bytearray, int], None]
+) -> None:
+    """Garbage over a record, or a header whose magic survived but not its checksum (which
+    covers the length): the scan drops that record and finds the ones after it again."""
     node = StorageNode(0, tmp_path, SMALL)
     for i in range(1, 6):
         _stored(node, [i], token=10 + i)
@@ -156,10 +174,10 @@ def test_garbage_in_the_middle_loses_only_what_it_covers(tmp_path: Path) -> None
     path = _segment_paths(tmp_path)[-1]
     data = bytearray(path.read_bytes())
     shard_len = CODEC.shard_length(4000)
-    third = SEGMENT_HEADER_BYTES + 2 * (2 * RECORD_BYTES + shard_len)  # record of block 3
-    data[third : third + 200] = os.urandom(200)  # its header and the start of its shard
+    damage(data, SEGMENT_HEADER_BYTES + 2 * (2 * RECORD_BYTES + shard_len))  # block 3's record
     path.write_bytes(bytes(data))
     again = StorageNode(0, tmp_path, SMALL)
+    assert again.stats()["damaged_records"] == 1
     assert again.holds([_key(i) for i in range(1, 6)]) == [True, True, False, True, True]
     for i, shard in zip((1, 2, 4, 5), _shards(again, [_key(i) for i in (1, 2, 4, 5)]), strict=True):
         assert shard is not None and bytes(shard) == bytes(_block(i)[2][0])

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_harness import SHAPE, start_tier
+from vllm_harness import PROMPTS, SHAPE, run_engine, start_tier
 
 from kvstore.integrations.tiny_model import build_tiny_llama
 from kvstore.runtime.upprocess import TierProcess
@@ -26,3 +26,9 @@ def running_tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TierProce
         yield tier
     finally:
         tier.stop()
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model: Path, tmp_path_factory) -> dict:
+    """The same prompts in an engine without the connector."""
+    return run_engine(tiny_model, PROMPTS, None, tmp=tmp_path_factory.mktemp("baseline"))

@@ -21,14 +21,21 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (see .ci/run: its own venv)")
 
-from vllm_harness import BLOCK_BYTES, child_env, run_engine  # noqa: E402
+from vllm_harness import (  # noqa: E402
+    BLOCK_BYTES,
+    EXPECTED,
+    PROMPTS,
+    assert_same_outputs,
+    child_env,
+    hits,
+    run_engine,
+    tokens,
+)
 
 from kvstore.api.client import KVStoreClient  # noqa: E402
 from kvstore.blockstore.segments import find_shard_records  # noqa: E402
@@ -39,48 +46,11 @@ from kvstore.tenants import DEFAULT_TENANT, namespaced_key, salts  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
-RNG = np.random.default_rng(20261201)
-
-
-def tokens(n: int) -> list[int]:
-    return [int(t) for t in RNG.integers(2, 1000, n)]
-
-
-SHARED = tokens(256)
-#: (prompt, tokens engine B must take from kvstore after engine A served them all)
-CASES = [
-    (tokens(100), 0),  # shorter than a block
-    (tokens(256), 128),  # exactly 2 blocks: the last token is computed, so 1 block
-    (SHARED + tokens(1), 256),  # 2 blocks + 1 token
-    (SHARED + tokens(172), 384),  # shares 2 blocks with the one above, a third of its own
-    (tokens(650), 640),  # 5 blocks + 10
-]
-PROMPTS = [prompt for prompt, _ in CASES]
-EXPECTED = [hit for _, hit in CASES]
-
-
-@pytest.fixture(scope="module")
-def baseline(tiny_model: Path, tmp_path_factory) -> dict:
-    """The same prompts in an engine without the connector."""
-    return run_engine(tiny_model, PROMPTS, None, tmp=tmp_path_factory.mktemp("baseline"))
-
 
 def connector_config(tier: TierProcess) -> dict:
     # A generous lookup timeout: a QueryHit slower than it is a (correct) miss, which would
     # make the expected hits depend on how loaded this 2-core machine is.
     return {"address": tier.address, "lookup_timeout_s": 20.0, "retry_after_s": 30.0}
-
-
-def assert_same_outputs(got: dict, want: dict, what: str) -> None:
-    for index, (mine, theirs) in enumerate(zip(got["results"], want["results"], strict=True)):
-        assert mine["tokens"] == theirs["tokens"], f"{what}: prompt {index} tokens differ"
-        assert mine["logprobs"] == pytest.approx(theirs["logprobs"], abs=1e-4), (
-            f"{what}: prompt {index} logprobs differ"
-        )
-
-
-def hits(result: dict) -> list[int]:
-    return [r["num_cached_tokens"] for r in result["results"]]
 
 
 def test_a_fresh_engine_takes_the_prefix_from_kvstore_and_computes_the_same(

@@ -14,6 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pytest
+
 from kvstore.childenv import child_env as kvstore_child_env
 from kvstore.integrations.tiny_model import TinyLlama
 from kvstore.integrations.vllm_run import fresh_engine
@@ -32,15 +35,10 @@ def child_env() -> dict[str, str]:
 
 def start_tier(data_dir: Path, log: Path) -> TierProcess:
     """A real ``kvstore up`` taking the tiny model's blocks (shards are not fsynced: tests).
-    The storage nodes keep no RAM read cache, as in the chaos scenarios (a shard damaged on
-    disk is then what every read sees, whatever read it before), and run no background scrub:
-    the corruption test damages shards behind the tier's back and needs the engine, not a
-    scrub pass that may come first, to be the one that meets the damage."""
-    env = dict(
-        child_env(),
-        KVSTORE_BLOCKSTORE_NODE_READ_CACHE_BYTES="0",
-        KVSTORE_BLOCKSTORE_SCRUB_EVERY_S="0",
-    )
+    The storage nodes run no background scrub: the corruption test damages shards behind the
+    tier's back and needs the engine, not a scrub pass that may come first (a small tier's
+    shards are all verified within a second at the default rate), to meet the damage."""
+    env = dict(child_env(), KVSTORE_BLOCKSTORE_SCRUB_BYTES_PER_S="0")
     return TierProcess.start(
         data_dir, "--block-bytes", str(BLOCK_BYTES), "--fsync", "never", env=env, log=log
     )
@@ -56,9 +54,13 @@ def run_engine(
     timeout: float = 400.0,
     tmp: Path,
     expect_failure: bool = False,
+    prefix: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Serve ``prompts`` one after another in a fresh engine process; its results (with
-    ``expect_failure``: the engine must fail, and its ``stderr`` is all there is)."""
+    ``expect_failure``: the engine must fail, and its ``stderr`` is all there is). ``prefix``
+    goes before its command (``ip netns exec HOST``: on a testbed host), ``env`` is added to
+    its environment."""
     spec = {
         "model": str(model),
         "prompts": prompts,
@@ -66,9 +68,43 @@ def run_engine(
         "multiprocessing": multiprocessing,
         "max_tokens": max_tokens,
     }
-    done = fresh_engine(spec, tmp, env=child_env(), timeout_s=timeout)
+    done = fresh_engine(
+        spec, tmp, env={**child_env(), **(env or {})}, timeout_s=timeout, prefix=prefix
+    )
     if expect_failure:
         assert done.returncode != 0, "the engine started, and should not have"
         return {"stderr": done.stderr}
     assert done.result is not None, f"engine failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return {**done.result, "stderr": done.stderr}
+
+
+RNG = np.random.default_rng(20261201)
+
+
+def tokens(n: int) -> list[int]:
+    return [int(t) for t in RNG.integers(2, 1000, n)]
+
+
+SHARED = tokens(256)
+#: (prompt, tokens engine B must take from kvstore after engine A served them all)
+CASES = [
+    (tokens(100), 0),  # shorter than a block
+    (tokens(256), 128),  # exactly 2 blocks: the last token is computed, so 1 block
+    (SHARED + tokens(1), 256),  # 2 blocks + 1 token
+    (SHARED + tokens(172), 384),  # shares 2 blocks with the one above, a third of its own
+    (tokens(650), 640),  # 5 blocks + 10
+]
+PROMPTS = [prompt for prompt, _ in CASES]
+EXPECTED = [hit for _, hit in CASES]
+
+
+def assert_same_outputs(got: dict, want: dict, what: str) -> None:
+    for index, (mine, theirs) in enumerate(zip(got["results"], want["results"], strict=True)):
+        assert mine["tokens"] == theirs["tokens"], f"{what}: prompt {index} tokens differ"
+        assert mine["logprobs"] == pytest.approx(theirs["logprobs"], abs=1e-4), (
+            f"{what}: prompt {index} logprobs differ"
+        )
+
+
+def hits(result: dict) -> list[int]:
+    return [r["num_cached_tokens"] for r in result["results"]]

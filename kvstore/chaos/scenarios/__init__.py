@@ -15,6 +15,8 @@ from kvstore.chaos.scenarios.gc_race import gc_lease
 from kvstore.chaos.scenarios.log import compaction_race, restart_200k, segment_corrupt, torn_tail
 from kvstore.chaos.scenarios.meta import meta_loss
 from kvstore.chaos.scenarios.nodes import kill_three, kill_two, permanent_loss, restart
+from kvstore.chaos.scenarios.redundancy import drain, repair_rate
+from kvstore.chaos.scenarios.scrub import scrub
 from kvstore.chaos.scenarios.slow import slow_node
 from kvstore.chaos.scenarios.swa import swa_loss
 from kvstore.chaos.scenarios.writers import writer_killed
@@ -37,6 +39,9 @@ _FUNCTIONS: dict[str, Callable[[ChaosTier], ScenarioResult]] = {
     "segment-corrupt": segment_corrupt,
     "compaction-race": compaction_race,
     "restart-200k": restart_200k,
+    "repair-rate": repair_rate,
+    "drain": drain,
+    "scrub": scrub,
 }
 
 SCENARIOS: tuple[Scenario, ...] = tuple(

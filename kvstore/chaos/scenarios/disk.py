@@ -14,7 +14,7 @@ import random
 import time
 
 from kvstore.blockstore.repair import Repairer
-from kvstore.chaos.faults import corrupt_shard, shard_location
+from kvstore.chaos.faults import corrupt_held_shard
 from kvstore.chaos.scenarios.base import seconds_or_violation
 from kvstore.chaos.table import ScenarioResult
 from kvstore.chaos.tier import ChaosTier, wait_until
@@ -42,8 +42,8 @@ def scrub_now(tier: ChaosTier) -> int:
     repairer = Repairer(
         config, RayFanout({}, resolve=name_resolver(config.deployment)), sorted(tier.handles.nodes)
     )
-    limit = max(1024, 2 * len(tier.ledger))
-    return repairer.scrub(tier.dead_nodes(), limit)
+    limit = max(1024, 2 * len(tier.ledger))  # every shard a node holds, whatever its bytes
+    return repairer.scrub(tier.dead_nodes(), budget_bytes=1 << 50, limit=limit)
 
 
 def corrupt(tier: ChaosTier) -> ScenarioResult:
@@ -64,7 +64,7 @@ def corrupt(tier: ChaosTier) -> ScenarioResult:
             # Data shards first: the readers' fast path (concatenating data shards) must notice.
             indices = rng.sample(range(k), len(damages))
             for index, how in zip(indices, damages, strict=True):
-                corrupt_shard(shard_location(tier, placement[index], key), how, rng)
+                corrupt_held_shard(tier, placement[index], key, how, rng)
                 damaged += 1
             (within if len(damages) <= tier.blockstore_config.parity_shards else beyond).append(key)
         position += blocks
