@@ -326,6 +326,11 @@ def _lose_for_good(
             "unrecoverable": _delta(after, before, "unrecoverable"),
         },
         restored_mb_per_s=None if rate is None else round(rate, 1),
+        # Where the repair's rounds spent this repair (queue, plan, read_rebuild, write, move).
+        repair_phase_s={
+            phase: round(float(seconds) - float(before.get("phase_s", {}).get(phase, 0.0)), 2)
+            for phase, seconds in after.get("phase_s", {}).items()
+        },
         repair_timeout_s=round(repair_timeout, 1),
         get_ms={
             "before": _window(stats, baseline_at, crashed_at),
