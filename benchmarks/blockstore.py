@@ -555,6 +555,7 @@ def report(args: argparse.Namespace, config: BlockStoreConfig, bench: Bench) -> 
             "runs": args.runs,
             "case_seconds": args.case_seconds,
             "killed_nodes": list(KILLED),
+            "write_quorum": config.write_quorum,
             "ray": "embedded local Ray, one node, 127.0.0.1",
             "client": "handles.client(), no storage node in the client process",
             "node_pids_from": bench.groups.pid_source,
@@ -636,10 +637,10 @@ def table(results: dict[str, Any]) -> str:
         target = entry.get("target")
         if not ours.get("batches"):
             why = "; ".join(ours.get("notes") or []) or "not measured"
-            # 12 nodes less 2 is 10 live: fewer than min_write_shards (11), so a put fails cleanly.
             cell = why
-            if "killed" in entry["row"]:
-                cell = f"n/a (10 live nodes < min_write_shards 11): {why}"
+            if "killed" in entry["row"]:  # fewer live nodes than a put needs: it fails cleanly
+                live = cfg["storage_nodes"] - len(cfg["killed_nodes"])
+                cell = f"n/a ({live} live nodes < min_write_shards {cfg['write_quorum']}): {why}"
             lines.append(f"| {entry['row']} | {entry['block']} | {cell} | | | | | | |")
             continue
         ratio = target["ratio"] if target else None

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+from fake_repair import FakeRepair
 
 from kvstore.cli import build_parser, main
 from kvstore.tier.records import Stats
@@ -237,42 +238,6 @@ def test_stats_without_repair_figures_shows_n_a(
 # --- drain / undrain against a stand-in repair actor ------------------------------------------
 
 
-class Remote:
-    def __init__(self, answer: Any) -> None:
-        self._answer = answer
-
-    def remote(self, *args: Any) -> Any:
-        return self._answer(*args)
-
-
-class FakeRepair:
-    """40 stripes on the node, 20 moved per look; ``interrupt``: Ctrl-C at the first look."""
-
-    def __init__(self, interrupt: bool = False) -> None:
-        self.left: dict[int, int] = {}
-        self.interrupt = interrupt
-        self.drain = Remote(self._drain)
-        self.stats = Remote(self._stats)
-
-    def _drain(self, node: int, flag: bool) -> dict[str, Any]:
-        if flag:
-            self.left.setdefault(node, 40)
-        else:
-            self.left.pop(node, None)
-        return {"node": node, "draining": flag, "stripes_left": self.left.get(node), "done": False}
-
-    def _stats(self) -> dict[str, Any]:
-        if self.interrupt and self.left:
-            raise KeyboardInterrupt
-        self.left = {n: max(0, v - 20) for n, v in self.left.items()}
-        return {
-            "draining": {
-                str(n): {"stripes_left": v, "bytes_left": v * 10**6, "done": v == 0}
-                for n, v in self.left.items()
-            }
-        }
-
-
 def fake_cluster(monkeypatch: pytest.MonkeyPatch, repair: FakeRepair) -> None:
     from kvstore.runtime import drain
 
@@ -284,7 +249,7 @@ def fake_cluster(monkeypatch: pytest.MonkeyPatch, repair: FakeRepair) -> None:
 def test_drain_watches_to_done_with_a_bar_on_stderr_and_json_on_stdout(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    repair = FakeRepair()
+    repair = FakeRepair(stripes=40, per_look=20)
     fake_cluster(monkeypatch, repair)
     assert main(["drain", "3", "--json"]) == 0
     captured = capsys.readouterr()
@@ -299,7 +264,7 @@ def test_drain_watches_to_done_with_a_bar_on_stderr_and_json_on_stdout(
 def test_ctrl_c_stops_watching_and_says_how_to_resume(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    repair = FakeRepair(interrupt=True)
+    repair = FakeRepair(stripes=40, per_look=20, interrupt=True)
     fake_cluster(monkeypatch, repair)
     assert main(["drain", "3", "--deployment", "prod", "--no-progress"]) == 130
     captured = capsys.readouterr()
@@ -313,7 +278,7 @@ def test_ctrl_c_stops_watching_and_says_how_to_resume(
 def test_no_wait_returns_at_once_and_a_bad_node_is_named(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fake_cluster(monkeypatch, FakeRepair())
+    fake_cluster(monkeypatch, FakeRepair(stripes=40, per_look=20))
     assert main(["drain", "3", "--no-wait"]) == 0
     assert "node 3 draining: 40 stripes" in capsys.readouterr().out
     assert main(["drain", "13"]) == 2

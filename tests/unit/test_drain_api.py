@@ -4,61 +4,11 @@ an older repair actor, and a repair actor that does not answer for a while."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+from fake_repair import FakeRepair, Remote
 
 from kvstore.errors import InvalidArgument, StoreError
 from kvstore.runtime import drain
-
-
-class Remote:
-    def __init__(self, answer: Any) -> None:
-        self._answer = answer
-
-    def remote(self, *args: Any) -> Any:
-        return self._answer(*args)
-
-
-class FakeRepair:
-    """Node 3 drains 100 stripes of 1 MB, ``per_look`` stripes per look at ``stats()``."""
-
-    def __init__(self, nodes: range = range(13), per_look: int = 25) -> None:
-        self.nodes = nodes
-        self.left: dict[int, int] = {}
-        self.per_look = per_look
-        self.stats_failures = 0  # the next looks that raise (a restarting actor)
-        self.forget = False  # stats() without the node (a restarted actor not caught up)
-        self.drain = Remote(self._drain)
-        self.stats = Remote(self._stats)
-
-    def _drain(self, node: int, draining: bool = True) -> dict[str, Any]:
-        if node not in self.nodes:
-            raise InvalidArgument("node_id", f"no storage node {node}")
-        if draining:
-            self.left.setdefault(node, 100)
-        else:
-            self.left.pop(node, None)
-        left = self.left.get(node)
-        return {
-            "node": node,
-            "draining": draining,
-            "stripes_left": left,
-            "bytes_left": None if left is None else left * 10**6,
-            "done": left == 0,
-        }
-
-    def _stats(self) -> dict[str, Any]:
-        if self.stats_failures:
-            self.stats_failures -= 1
-            raise StoreError("repair actor stats() did not answer")
-        for node in self.left:
-            self.left[node] = max(0, self.left[node] - self.per_look)
-        entries = {
-            str(n): {"stripes_left": v, "bytes_left": v * 10**6, "done": v == 0}
-            for n, v in self.left.items()
-        }
-        return {"stripes": 0, "draining": {} if self.forget else entries}
 
 
 class Clock:
