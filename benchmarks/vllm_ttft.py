@@ -2,9 +2,13 @@
 
     python benchmarks/vllm_ttft.py              # ~6 min on 2 cores: 8K-token prompt, 3 runs
     python benchmarks/vllm_ttft.py --runs 5 --tokens 12288 --json
+    python benchmarks/vllm_ttft.py --model gemma3  # a hybrid model: sliding + full layers
 
 Needs vLLM (the README's "Use with vLLM" venv). Builds a small random Llama (4 layers, hidden
-512, 4 KV heads of 64: one 128-token block is 1 MiB of float32 KV), starts a real `kvstore up`
+512, 4 KV heads of 64: one 128-token block is 1 MiB of float32 KV) or, with ``--model gemma3``,
+a Gemma-3 of the same shape whose layers alternate a 128-token sliding window and full attention
+(vLLM's hybrid KV-cache manager on: the full layers' blocks come from the block tier, the sliding
+layers' window state from the SWA tier), starts a real `kvstore up`
 (its own process, gRPC on 127.0.0.1, no GC) and runs every engine in a fresh process
 (``python -m kvstore.integrations.vllm_run``, one process per engine), each first serving a
 short unrelated prompt so that start-up costs are not in any figure:
@@ -16,7 +20,8 @@ short unrelated prompt so that start-up costs are not in any figure:
 - per run, engine Y (**fresh**, connector on, vLLM's prefix cache off) serves it once: **warm**,
   every block but the last loaded from kvstore.
 
-Reported: medians over the runs, the ratios warm/cold and warm/local, the bytes loaded, the
+Reported: medians over the runs, the ratios warm/cold and warm/local, the bytes loaded per
+KV-cache group (for the hybrid model: the sliding layers load one window, not the prefix), the
 load's GB/s (bytes over the time from the load's start to its last layer staged), the time
 until the tier's answer (the read), and how much of the load overlapped the engine's own work
 (1 − the time the forward waited on it / the load's time). Warm TTFT minus the forward's wait
@@ -43,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
+from kvstore.integrations.tiny_gemma import TinyGemma3, build_tiny_gemma3  # noqa: E402
 from kvstore.integrations.tiny_model import TinyLlama, build_tiny_llama  # noqa: E402
 from kvstore.integrations.vllm_run import fresh_engine  # noqa: E402
 from kvstore.runtime.upprocess import TierProcess  # noqa: E402
@@ -72,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (default 8192)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument(
+        "--model",
+        choices=("llama", "gemma3"),
+        default="llama",
+        help="dense Llama (default) or hybrid Gemma-3 (sliding-window + full layers)",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     if args.runs < 3:
@@ -84,15 +96,30 @@ def main(argv: list[str] | None = None) -> int:
         print("vLLM is not installed here: see the README's 'Use with vLLM'", file=sys.stderr)
         return 2
 
-    shape = TinyLlama(
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.hidden // 64,
-        kv_heads=max(args.hidden // 128, 1),
-        intermediate=2 * args.hidden,
-        max_positions=args.tokens + 512,
-    )
-    block_bytes = shape.block_bytes()
+    kv_heads = max(args.hidden // 128, 1)
+    shape: TinyLlama | TinyGemma3
+    if args.model == "llama":
+        shape = TinyLlama(
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.hidden // 64,
+            kv_heads=kv_heads,
+            intermediate=2 * args.hidden,
+            max_positions=args.tokens + 512,
+        )
+    else:
+        shape = TinyGemma3(
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.hidden // 64,
+            kv_heads=kv_heads,
+            head_dim=64,
+            intermediate=2 * args.hidden,
+            max_positions=args.tokens + 512,
+        )
+    # One 128-token block of one layer's float32 KV (K and V), and of all layers.
+    page_bytes = 2 * kv_heads * 64 * 128 * 4
+    block_bytes = page_bytes * args.layers
     rng = np.random.default_rng(16)
     prompt = [int(t) for t in rng.integers(2, shape.vocab, args.tokens)]
     warmup = [int(t) for t in rng.integers(2, shape.vocab, 300)]
@@ -100,16 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as scratch_dir:
         scratch = Path(scratch_dir)
         print(f"building the model ({shape}) ...", file=sys.stderr)
-        model = build_tiny_llama(scratch / "model", shape)
+        if isinstance(shape, TinyLlama):
+            model = build_tiny_llama(scratch / "model", shape)
+        else:
+            model = build_tiny_gemma3(scratch / "model", shape)
         print("starting kvstore up ...", file=sys.stderr)
-        with TierProcess.start(
-            scratch / "tier",
-            "--block-bytes",
-            str(block_bytes),
-            "--fsync",
-            "never",
-            "--no-gc",
-        ) as tier:
+        # No size flag: the engine's connector names its model's layout.
+        with TierProcess.start(scratch / "tier", "--fsync", "never", "--no-gc") as tier:
             base = {
                 "model": str(model),
                 "max_tokens": 1,
@@ -145,13 +169,25 @@ def main(argv: list[str] | None = None) -> int:
                 loads.append(delta(measured["worker"], y["results"][0]["worker"]))
     median = {name: statistics.median(values) for name, values in rows.items()}
     bytes_loaded = statistics.median(x["bytes_loaded"] for x in loads)
+    state_bytes = statistics.median(x.get("state_bytes_loaded", 0) for x in loads)
+    groups = seed.get("groups") or []
+    sliding_layers = sum(len(layers) for kind, layers, _ in groups if kind == "sliding")
+    # What the sliding layers would have loaded had they taken the whole prefix, as full
+    # attention does: the window rule is what saves it.
+    sliding_prefix_bytes = expected_hit // 128 * sliding_layers * page_bytes
     load_s = statistics.median(x["load_seconds"] for x in loads)
     wait_s = statistics.median(x["wait_seconds"] for x in loads)
     read_s = statistics.median(x["read_seconds"] for x in loads)
     staged_s = statistics.median(x["staged_seconds"] for x in loads)
     figures = {
         "prompt_tokens": args.tokens,
-        "model": {"layers": shape.layers, "hidden": shape.hidden, "kv_heads": shape.kv_heads},
+        "model": {
+            "kind": args.model,
+            "layers": shape.layers,
+            "hidden": shape.hidden,
+            "kv_heads": shape.kv_heads,
+            "groups": groups,
+        },
         "block_bytes": block_bytes,
         "runs": args.runs,
         "seconds": rows,
@@ -161,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         "warm_over_local": median["warm"] / median["local"],
         "tokens_from_kvstore": expected_hit,
         "bytes_loaded": bytes_loaded,
+        "bytes_loaded_by_group": {
+            "full_attention_blocks": bytes_loaded,
+            "sliding_window_states": state_bytes,
+            "sliding_layers_whole_prefix_would_be": sliding_prefix_bytes,
+        },
         "load_seconds": load_s,
         "tier_read_seconds": read_s,
         "staged_seconds": staged_s,
@@ -172,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(figures, indent=2))
         return 0
-    print(f"vLLM TTFT, {args.tokens}-token prompt, medians of {args.runs}")
+    print(f"vLLM TTFT, {args.model}, {args.tokens}-token prompt, medians of {args.runs}")
     print(f"{'':34}{'TTFT s':>10}{'runs':>30}")
     names = {
         "cold": "cold (no cache)",
@@ -200,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{figures['load_gb_per_s']:.3f} GB/s; of that, {read_s:.3f} s until the tier's answer "
         f"(GetBlocks through the gateway: every block is read before layer 0 is published)"
     )
+    if sliding_layers:
+        print(
+            f"by group: full attention {bytes_loaded / 1e6:.1f} MB of blocks; sliding window "
+            f"{state_bytes / 1e6:.3f} MB of window state ({sliding_layers} layers; their whole "
+            f"prefix would be {sliding_prefix_bytes / 1e6:.1f} MB)"
+        )
     print(
         f"the forward waited {wait_s:.3f} s on the load "
         f"({figures['load_overlapped_compute']:.0%} of it overlapped the engine's own work); "

@@ -21,6 +21,12 @@ rollback to protect (a dense model served by vLLM through ``kvstore.integrations
 cap is L − 1 (the engine computes at least the last prompt token, whose logits it samples
 from), no SWA state is looked for, and hit = L1.
 
+Exact-window mode is for engines that compute exact attention over a sliding window (a hybrid
+model served by vLLM): the cap is L − 1 as in full-attention mode, and a hit must be one the
+engine can finish exactly, so it is the longest prefix within the block run whose window state
+exists — L1 when the state at L1 is there, else the highest position below L1 that has one —
+or a miss; never a hit that would need a window nobody stored (no replay, no approximation).
+
 Hits are whole blocks, never the middle of one, so SWA states are only ever stored at positions
 p > 0 with p % 128 == 0 (SPEC §6): prefill stores at floor((L − 1)/128)·128, chunked prefill only
 after its last chunk, decode from the last boundary-crossing copy anchored at the boundary below.
@@ -50,8 +56,9 @@ DEFAULT_BLOCK_TOKENS = BLOCK_TOKENS  # one source: the block key's span (kvstore
 STANDARD = "standard"
 BOUNDED_REPLAY = "bounded-replay"
 FULL_ATTENTION = "full-attention"
-MODES = (STANDARD, BOUNDED_REPLAY, FULL_ATTENTION)
-Mode = Literal["standard", "bounded-replay", "full-attention"]
+EXACT_WINDOW = "exact-window"
+MODES = (STANDARD, BOUNDED_REPLAY, FULL_ATTENTION, EXACT_WINDOW)
+Mode = Literal["standard", "bounded-replay", "full-attention", "exact-window"]
 
 #: What the caller knows about SWA states: positions (a set, a range, ...), a mapping
 #: position -> machine holding it, a callable position -> bool | machine name, or None (none).
@@ -158,6 +165,11 @@ class HitPlan:
     swa_location: str | None = None
 
     @property
+    def protected_tokens(self) -> int:
+        """Tokens at the end of the prompt that are always computed."""
+        return protected_tokens(self.mode, self.window + self.max_backtracking)
+
+    @property
     def compute_tokens(self) -> int:
         """Prompt tokens this request computes (replay not included)."""
         return self.prompt_len - self.compute_from
@@ -165,7 +177,7 @@ class HitPlan:
     @property
     def reason(self) -> str:
         """One line saying why the hit is what it is."""
-        protected = 1 if self.mode == FULL_ATTENTION else self.window + self.max_backtracking
+        protected = self.protected_tokens
         if self.block_hit_tokens == 0:
             if self.cap < self.block_tokens:
                 return (
@@ -182,6 +194,21 @@ class HitPlan:
         where = f" on {self.swa_location}" if self.swa_location else ""
         if self.mode == FULL_ATTENTION:
             return f"{prefix}full attention, no window state → hit {self.hit_tokens}"
+        if self.mode == EXACT_WINDOW:
+            if not self.swa_hit:
+                return (
+                    f"{prefix}no window state at {self.block_hit_tokens} or below → hit 0, "
+                    "compute everything (exact attention needs the window)"
+                )
+            below = (
+                ""
+                if self.hit_tokens == self.block_hit_tokens
+                else (f"none at {self.block_hit_tokens}, ")
+            )
+            return (
+                f"{prefix}{below}window state at {self.swa_position} found{where} → "
+                f"hit {self.hit_tokens}, fetch it and resume there"
+            )
         if self.swa_hit:
             return (
                 f"{prefix}SWA state at {self.swa_position} found{where} → "
@@ -209,6 +236,12 @@ class HitPlan:
 # --- the hit rule ---------------------------------------------------------------------------
 
 
+def protected_tokens(mode: str, window_and_backtracking: int) -> int:
+    """Tokens a hit leaves to compute: 1 for an exact engine (it samples from the last prompt
+    token's logits), window + backtracking for the V4 rules (YoCo keeps them live)."""
+    return 1 if mode in (FULL_ATTENTION, EXACT_WINDOW) else window_and_backtracking
+
+
 def hit_cap(
     prompt_len: int,
     *,
@@ -221,8 +254,7 @@ def hit_cap(
     (full-attention mode: L − 1)."""
     geo = resolve_geometry(geometry, window=window, max_backtracking=max_backtracking)
     length = _positive_int(prompt_len, "prompt_len")
-    protected = 1 if mode == FULL_ATTENTION else geo.protected_tokens
-    return max(length - protected, 0)
+    return max(length - protected_tokens(mode, geo.protected_tokens), 0)
 
 
 def plan_hit(
@@ -244,7 +276,8 @@ def plan_hit(
 
     ``swa_available`` says which SWA states exist: a container of positions, a mapping position →
     machine, a callable position → bool or machine name, or None for none at all. Only position
-    L1 is ever asked about; states at other positions are ignored.
+    L1 is ever asked about (exact-window mode: L1, then each block boundary below it, highest
+    first, until one is found); states at other positions are ignored.
     """
     geo = resolve_geometry(
         geometry, window=window, max_backtracking=max_backtracking, block_tokens=block_tokens
@@ -256,7 +289,7 @@ def plan_hit(
     full_blocks = length // block
     run = _block_run_tokens(block_hit_tokens, full_blocks, block)
 
-    cap = max(length - (1 if mode == FULL_ATTENTION else geo.protected_tokens), 0)
+    cap = max(length - protected_tokens(mode, geo.protected_tokens), 0)
     # Whole blocks only: a hit in the middle of a block would need a window state that §6 never
     # stores, so the cap is rounded down to a block boundary before it limits the run.
     block_hit = min(run, cap // block * block)
@@ -269,6 +302,13 @@ def plan_hit(
     hit = 0
     if block_hit > 0 and mode == FULL_ATTENTION:
         hit = block_hit  # no window state exists to look for
+    elif block_hit > 0 and mode == EXACT_WINDOW:
+        swa_position = block_hit
+        for position in range(block_hit, 0, -block):
+            swa_hit, swa_location = _lookup_swa(swa_available, position)
+            if swa_hit:
+                swa_position = hit = position
+                break
     elif block_hit > 0:
         swa_position = block_hit
         swa_hit, swa_location = _lookup_swa(swa_available, block_hit)

@@ -28,12 +28,21 @@ from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidArgument
 from kvstore.hitplan import HitPlan
 from kvstore.keys import KEY_BYTES, BlockKey, key_words
-from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, StateRead, Stats
+from kvstore.tier.records import (
+    BlockRead,
+    HitAnswer,
+    HitRequest,
+    Layout,
+    PutAnswer,
+    StateRead,
+    Stats,
+)
 
 _MODES = {
     "standard": pb.HIT_MODE_STANDARD,
     "bounded-replay": pb.HIT_MODE_BOUNDED_REPLAY,
     "full-attention": pb.HIT_MODE_FULL_ATTENTION,
+    "exact-window": pb.HIT_MODE_EXACT_WINDOW,
 }
 _ADVICE = {pb.ADVICE_FETCH: "fetch", pb.ADVICE_REPLAY: "replay"}
 #: Blocks per PutBlocks stream message: keeps each message far below the size limit.
@@ -47,6 +56,16 @@ def _optional(value: int) -> int | None:
     return None if value < 0 else value
 
 
+def _layout_message(layout: Layout | None) -> Any:
+    if layout is None:
+        return None
+    return pb.Layout(
+        fingerprint=layout.fingerprint,
+        block_bytes=layout.block_bytes,
+        state_bytes=layout.state_bytes,
+    )
+
+
 @dataclass(frozen=True)
 class ClientFactory:
     """Builds a ``KVStoreClient`` in another process (an engine's fetcher): picklable, and
@@ -58,6 +77,7 @@ class ClientFactory:
     tls_client_cert: str | None = None
     tls_client_key: str | None = None
     timeout_s: float = 30.0
+    layout: Layout | None = None
 
     def __call__(self) -> KVStoreClient:
         return KVStoreClient(
@@ -67,6 +87,7 @@ class ClientFactory:
             tls_client_cert=self.tls_client_cert,
             tls_client_key=self.tls_client_key,
             timeout_s=self.timeout_s,
+            layout=self.layout,
         )
 
 
@@ -80,9 +101,11 @@ class KVStoreClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         tls_client_cert: Path | str | None = None,
         tls_client_key: Path | str | None = None,
+        layout: Layout | None = None,
     ) -> None:
         """``token``: the tenant's bearer token; or, with mutual TLS, ``tls_client_cert`` and
-        ``tls_client_key`` (its certificate's common name names the tenant)."""
+        ``tls_client_key`` (its certificate's common name names the tenant). ``layout``: the
+        model layout every request of this client is made under (None: the tier's own)."""
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -106,6 +129,8 @@ class KVStoreClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._timeout = timeout_s
         self.address = address
+        self.layout = layout
+        self._layout = _layout_message(layout)
 
     def __enter__(self) -> KVStoreClient:
         return self
@@ -134,6 +159,7 @@ class KVStoreClient:
             mode=_MODES[hit.mode],
             traffic_class=hit.traffic_class,
             take_lease=hit.take_lease,
+            layout=self._layout if hit.layout is None else _layout_message(hit.layout),
         )
         reply = self._stub.QueryHit(request, **self._kw())
         plan = reply.plan
@@ -201,14 +227,10 @@ class KVStoreClient:
                 chunk.append(pb.Block(key=bytes(key), payload=bytes(payload)))
                 size += len(payload)
                 if size >= _PUT_CHUNK_BYTES:
-                    yield pb.PutBlocksRequest(
-                        blocks=chunk, traffic_class=traffic_class if first else "", shared=shared
-                    )
+                    yield self._put_message(chunk, traffic_class, shared, first)
                     chunk, size, first = [], 0, False
             if chunk or first:
-                yield pb.PutBlocksRequest(
-                    blocks=chunk, traffic_class=traffic_class if first else "", shared=shared
-                )
+                yield self._put_message(chunk, traffic_class, shared, first)
 
         reply = self._stub.PutBlocks(messages(), **self._kw())
         return PutAnswer(
@@ -216,6 +238,15 @@ class KVStoreClient:
             existing=reply.existing,
             busy_keys=tuple(BlockKey(key) for key in reply.busy_keys),
             failed_keys=tuple(BlockKey(key) for key in reply.failed_keys),
+        )
+
+    def _put_message(self, chunk: list[Any], traffic_class: str, shared: bool, first: bool) -> Any:
+        # The stream's class and layout ride on its first message only.
+        return pb.PutBlocksRequest(
+            blocks=chunk,
+            traffic_class=traffic_class if first else "",
+            shared=shared,
+            layout=self._layout if first else None,
         )
 
     def get_blocks(
@@ -226,7 +257,9 @@ class KVStoreClient:
             raise InvalidArgument(
                 "keep_lease", "not over gRPC: a GetBlocks ends its lease; ask every key in one"
             )
-        request = pb.GetBlocksRequest(keys=[bytes(key) for key in keys], lease_id=lease_id or "")
+        request = pb.GetBlocksRequest(
+            keys=[bytes(key) for key in keys], lease_id=lease_id or "", layout=self._layout
+        )
         answered = {
             reply.key: BlockRead(
                 key=BlockKey(reply.key),
@@ -250,25 +283,44 @@ class KVStoreClient:
         machine: str | None = None,
         *,
         shared: bool = False,
+        state_bytes: int | None = None,
     ) -> str:
+        self._check_state_bytes(state_bytes)
         request = pb.PutSWAStateRequest(
             key=bytes(key),
             position=position,
             state=bytes(state),
             machine=machine or "",
             shared=shared,
+            layout=self._layout,
         )
         return str(self._stub.PutSWAState(request, **self._kw()).owner)
 
-    def get_swa_state(self, key: bytes, position: int) -> StateRead:
+    def get_swa_state(
+        self, key: bytes, position: int, *, state_bytes: int | None = None
+    ) -> StateRead:
+        self._check_state_bytes(state_bytes)
         reply = self._stub.GetSWAState(
-            pb.GetSWAStateRequest(key=bytes(key), position=position), **self._kw()
+            pb.GetSWAStateRequest(key=bytes(key), position=position, layout=self._layout),
+            **self._kw(),
         )
         return StateRead(
             state=reply.state if reply.found else None,
             owner=reply.owner or None,
             miss_reason=reply.miss_reason or None,
         )
+
+    def _check_state_bytes(self, state_bytes: int | None) -> None:
+        """Over gRPC a state's size is the client's layout's (the tier's own without one): a
+        caller may only restate it."""
+        if (
+            state_bytes is not None
+            and self.layout is not None
+            and (state_bytes != self.layout.state_bytes)
+        ):
+            raise InvalidArgument(
+                "state_bytes", "a client's states have its layout's size; make the client with it"
+            )
 
     def release_lease(self, lease_id: str) -> bool:
         reply = self._stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease_id), **self._kw())

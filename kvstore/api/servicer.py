@@ -38,7 +38,7 @@ from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import ConfigError, InvalidArgument, KVStoreError, Overloaded, grpc_status_name
 from kvstore.keys import KEY_BYTES, BlockKey, block_key_words, key_words
 from kvstore.tenants import RateLimiter, Tenant
-from kvstore.tier.records import HitRequest
+from kvstore.tier.records import HitRequest, Layout
 from kvstore.tier.tenancy import TenantView, TenantViews
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ _MODES = {
     pb.HIT_MODE_STANDARD: "standard",
     pb.HIT_MODE_BOUNDED_REPLAY: "bounded-replay",
     pb.HIT_MODE_FULL_ATTENTION: "full-attention",
+    pb.HIT_MODE_EXACT_WINDOW: "exact-window",
 }
 _ADVICE = {None: pb.ADVICE_UNSPECIFIED, "fetch": pb.ADVICE_FETCH, "replay": pb.ADVICE_REPLAY}
 
@@ -99,6 +100,34 @@ def _non_negative(value: int, field: str) -> int:
     if value < 0:
         raise InvalidArgument(field, f"must be ≥ 0, got {value}")
     return value
+
+
+def _layout(message: Any, limits: GatewayLimits) -> Layout | None:
+    """The layout a request names (None: the tier's own), checked."""
+    if not message.HasField("layout"):
+        return None
+    given = message.layout
+    layout = Layout(bytes(given.fingerprint), int(given.block_bytes), int(given.state_bytes))
+    if layout.block_bytes > limits.max_put_bytes:
+        raise InvalidArgument(
+            "layout.block_bytes",
+            f"{layout.block_bytes} bytes: a block must fit one PutBlocks stream "
+            f"({limits.max_put_bytes} bytes)",
+        )
+    if layout.state_bytes > limits.max_put_bytes:
+        raise InvalidArgument(
+            "layout.state_bytes",
+            f"{layout.state_bytes} bytes: at most {limits.max_put_bytes} bytes",
+        )
+    return layout
+
+
+def _peer_host(peer: str) -> str:
+    """The IP address in a gRPC peer string (``ipv4:10.0.0.5:5000``, ``ipv6:[::1]:5000``)."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rpartition("]")[0].lstrip("[")
+    return rest.rpartition(":")[0] if kind == "ipv4" else ""
 
 
 def _fits_prompt(keys: np.ndarray, prompt_len: int, field: str) -> None:
@@ -183,7 +212,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     ) -> None:
         self._views = views
         self._auth = auth
-        self._fingerprint = views.tier.model_fingerprint
         self._executor = executor
         self._max_in_flight = max_in_flight
         self._limits = limits or GatewayLimits()
@@ -275,13 +303,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def _query_hit(self, call: _Call, request: Any, context: Any) -> Any:
         view = call.view
-        prompt_len, mode, traffic_class = await self._validate(
+        prompt_len, mode, traffic_class, layout = await self._validate(
             context, "QueryHit", lambda: self._query_args(request)
         )
         tokens = request.token_ids
         if tokens:
             prompt_len = len(tokens)
-            fingerprint = self._fingerprint
+            fingerprint = view.layout(layout).fingerprint
 
             def hash_tokens() -> np.ndarray:
                 # (Slicing the repeated field would copy it element by element: ~50 ms for 1M.)
@@ -311,6 +339,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             mode=mode,
             traffic_class=traffic_class,
             take_lease=request.take_lease,
+            layout=layout,
         )
         answer = await self._run(
             call,
@@ -343,7 +372,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             hit_block_keys_packed=answer.hit_keys_packed if packed else b"",
         )
 
-    def _query_args(self, request: Any) -> tuple[int, str, str]:
+    def _query_args(self, request: Any) -> tuple[int, str, str, Layout | None]:
         if request.mode not in _MODES:
             raise InvalidArgument("mode", f"unknown hit mode {request.mode}")
         traffic_class = _short_string(request.traffic_class, "traffic_class", MAX_CLASS_CHARS)
@@ -368,7 +397,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 raise InvalidArgument(
                     "prompt_len", f"{prompt_len} differs from the {tokens} token_ids given"
                 )
-        return prompt_len, _MODES[request.mode], traffic_class
+        return prompt_len, _MODES[request.mode], traffic_class, _layout(request, self._limits)
 
     async def PutBlocks(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
         call = await self._enter("PutBlocks", context)
@@ -377,7 +406,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             keys: list[BlockKey] = []
             payloads: list[bytes] = []
             first: Any = None
-            size = call.view.block_bytes
+            layout: Layout | None = None
+            size = 0
             limit = self._limits.max_put_bytes
             async for message in request_iterator:
                 if first is None:
@@ -392,6 +422,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                             MAX_CLASS_CHARS,
                         ),
                     )
+                    layout = await self._validate(
+                        context, "PutBlocks", functools.partial(_layout, message, self._limits)
+                    )
+                    size = call.view.layout(layout).block_bytes
                 incoming = 0
                 for block in message.blocks:
                     position = len(keys)
@@ -404,7 +438,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     elif len(block.payload) != size:
                         problem = InvalidArgument(
                             f"blocks[{position}].payload",
-                            f"must be one block of this model's preset ({size} bytes), got "
+                            f"must be one block of its layout ({size} bytes), got "
                             f"{len(block.payload)}",
                         )
                     if problem is not None:
@@ -443,7 +477,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             answer = await self._run(
                 call,
                 context,
-                lambda: view.put_blocks(keys, payloads, traffic_class, shared=shared),
+                lambda: view.put_blocks(
+                    keys, payloads, traffic_class, shared=shared, layout=layout
+                ),
             )
             return pb.PutBlocksResponse(
                 committed=answer.committed,
@@ -464,28 +500,32 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         held = 0
         lease_id = None
         try:
-            keys, lease_id = await self._validate(
+            keys, lease_id, layout = await self._validate(
                 context,
                 "GetBlocks",
                 lambda: (
                     _keys(request.keys, "keys"),
                     _short_string(request.lease_id, "lease_id", MAX_LEASE_ID_CHARS) or None,
+                    _layout(request, limits),
                 ),
             )
             view = call.view
+            block_bytes = view.layout(layout).block_bytes
             distinct = list(dict.fromkeys(keys))  # a key asked twice is read (and sent) once
-            per_batch = max(1, limits.get_batch_bytes // max(1, view.block_bytes))
+            per_batch = max(1, limits.get_batch_bytes // max(1, block_bytes))
             await self._reserve(call, context, window)
             held += window
             for start in range(0, len(distinct), per_batch):
                 part = distinct[start : start + per_batch]
-                size = len(part) * view.block_bytes
+                size = len(part) * block_bytes
                 await self._reserve(call, context, size)
                 held += size
                 reads = await self._run(
                     call,
                     context,
-                    functools.partial(view.get_blocks, part, lease_id, keep_lease=True),
+                    functools.partial(
+                        view.get_blocks, part, lease_id, keep_lease=True, layout=layout
+                    ),
                 )
                 for read in reads:
                     reply = pb.GetBlocksResponse(
@@ -524,23 +564,27 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         try:
             view = call.view
 
-            def check() -> tuple[BlockKey, str | None]:
+            def check() -> tuple[BlockKey, str | None, Layout | None]:
                 key = _keys([request.key], "key")[0]
                 machine = _short_string(request.machine, "machine", MAX_CLASS_CHARS) or None
-                if len(request.state) != view.state_size:
-                    raise InvalidArgument(
-                        "state",
-                        f"must be exactly {view.state_size} bytes (state_size_to_disk) at "
-                        f"position {request.position}, got {len(request.state)}",
-                    )
-                return key, machine
+                if machine is None:
+                    # Kept in the memory of the machine that made it (SPEC §7), when the put
+                    # comes from one of the tier's machines.
+                    machine = self._views.tier.machine_at(_peer_host(call.peer))
+                # The state's size is its layout's: the tenant's view checks it.
+                return key, machine, _layout(request, self._limits)
 
-            key, machine = await self._validate(context, "PutSWAState", check)
+            key, machine, layout = await self._validate(context, "PutSWAState", check)
             owner = await self._run(
                 call,
                 context,
                 lambda: view.put_swa_state(
-                    key, request.position, request.state, machine, shared=request.shared
+                    key,
+                    request.position,
+                    request.state,
+                    machine,
+                    shared=request.shared,
+                    layout=layout,
                 ),
             )
             return pb.PutSWAStateResponse(owner=owner)
@@ -550,11 +594,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def GetSWAState(self, request: Any, context: Any) -> Any:
         call = await self._enter("GetSWAState", context)
         try:
-            key = await self._validate(
-                context, "GetSWAState", lambda: _keys([request.key], "key")[0]
+            key, layout = await self._validate(
+                context,
+                "GetSWAState",
+                lambda: (_keys([request.key], "key")[0], _layout(request, self._limits)),
             )
             view = call.view
-            read = await self._run(call, context, lambda: view.get_swa_state(key, request.position))
+            read = await self._run(
+                call, context, lambda: view.get_swa_state(key, request.position, layout=layout)
+            )
             return pb.GetSWAStateResponse(
                 found=read.state is not None,
                 state=read.state or b"",

@@ -132,7 +132,7 @@ def render(plan: hitplan.HitPlan, ignored_swa: list[int]) -> str:
     if plan.replay_start is not None:
         end = plan.replay_start + plan.replay_tokens
         replay = f"[{plan.replay_start}, {end}) ({plan.replay_tokens} tokens, SWA only)"
-    protected = 1 if plan.mode == hitplan.FULL_ATTENTION else plan.window + plan.max_backtracking
+    protected = plan.protected_tokens
     rows = [
         ("prompt tokens (L)", str(plan.prompt_len)),
         ("mode", plan.mode),

@@ -67,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--block-bytes",
         type=int,
         metavar="N",
-        help="exact size of one block payload (default: the preset's). For a vLLM engine "
-        "through kvstore.integrations.vllm: the size its connector names at start-up",
+        help="exact size of one block payload of the tier's own layout, for requests that "
+        "name none (default: the preset's). Not needed for vLLM engines: each connector names "
+        "its model's layout, and one tier serves many models",
     )
     parser.add_argument(
         "--fsync", choices=["always", "batch", "never"], help="shard fsync policy (default batch)"

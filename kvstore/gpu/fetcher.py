@@ -185,7 +185,7 @@ def run_job(
 
 def _read_state(reader: TierReader, key: bytes, position: int, nbytes: int) -> np.ndarray | None:
     try:
-        answer = reader.get_swa_state(key, position)
+        answer = reader.get_swa_state(key, position, state_bytes=nbytes)
     except Exception as error:  # noqa: BLE001 - a failed read is a miss
         log.warning("SWA state read at %s failed: %s", position, error)
         return None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import ConfigError
-from kvstore.hitplan import FULL_ATTENTION, MODES
+from kvstore.hitplan import MODES
 
 #: Where the settings come from, for error messages.
 SOURCE = "kv_connector_extra_config"
@@ -39,9 +39,10 @@ class ConnectorSettings:
     tls_client_key: str | None = None
     #: GC traffic class of what this engine saves (``agent``, ``chatbot``, ...; "" = default).
     traffic_class: str = ""
-    #: Hit rule asked of the tier: ``full-attention`` for a dense model (cap L − 1, no window
-    #: state), ``standard`` / ``bounded-replay`` for the V4 rules (SPEC §5).
-    hit_mode: str = FULL_ATTENTION
+    #: Hit rule asked of the tier; leave it out: the connector takes the one the model's
+    #: KV-cache groups need (``full-attention`` for a dense model, ``exact-window`` for one
+    #: with sliding-window layers), and refuses any other.
+    hit_mode: str | None = None
     #: Bytes of the /dev/shm staging area loads land in before they are copied into the KV cache.
     staging_bytes: int = 256 * 1024 * 1024
     staging_dir: str = "/dev/shm"
@@ -78,7 +79,7 @@ class ConnectorSettings:
             raise ConfigError("tls_client_cert", "mutual TLS needs tls_root_cert too")
         if not isinstance(self.traffic_class, str):
             raise ConfigError("traffic_class", f"must be a string, got {self.traffic_class!r}")
-        if self.hit_mode not in MODES:
+        if self.hit_mode is not None and self.hit_mode not in MODES:
             raise ConfigError(
                 "hit_mode", f"must be one of {', '.join(MODES)}, got {self.hit_mode!r}"
             )

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from kvstore.errors import InvalidArgument
 
@@ -55,27 +57,34 @@ def _corpus(vocab: int) -> list[str]:
     return [" ".join(words[j : j + 16]) for j in range(0, len(words), 4)]
 
 
-def build_tiny_llama(directory: str | Path, shape: TinyLlama | None = None) -> Path:
-    """Write the model and its tokenizer into ``directory`` (created); returns it."""
-    import torch
+def write_tokenizer(out: Path, vocab: int) -> None:
+    """A byte-level BPE tokenizer of ``vocab`` tokens trained on the spot, saved into ``out``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    shape = shape or TinyLlama()
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=shape.vocab,
+        vocab_size=vocab,
         special_tokens=["<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(shape.vocab), trainer)
+    tokenizer.train_from_iterator(_corpus(vocab), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
+
+
+def build_tiny_llama(directory: str | Path, shape: TinyLlama | None = None) -> Path:
+    """Write the model and its tokenizer into ``directory`` (created); returns it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = shape or TinyLlama()
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, shape.vocab)
     config = LlamaConfig(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
@@ -100,16 +109,23 @@ def build_tiny_llama(directory: str | Path, shape: TinyLlama | None = None) -> P
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m kvstore.integrations.tiny_model", description=__doc__.split("\n\n")[0]
-    )
+def shape_cli(
+    argv: list[str] | None, module: str, doc: str, default: Any, build: Callable[[Path, Any], Path]
+) -> tuple[Path, Any]:
+    """The command line of a tiny-model module: a directory and one flag per shape field."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
     parser.add_argument("directory", type=Path)
-    for name, default in asdict(TinyLlama()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    for name, value in asdict(default).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     args = parser.parse_args(argv)
-    shape = TinyLlama(**{k: getattr(args, k) for k in asdict(TinyLlama())})
-    path = build_tiny_llama(args.directory, shape)
+    shape = type(default)(**{name: getattr(args, name) for name in asdict(default)})
+    return build(args.directory, shape), shape
+
+
+def main(argv: list[str] | None = None) -> int:
+    path, shape = shape_cli(
+        argv, "kvstore.integrations.tiny_model", __doc__, TinyLlama(), build_tiny_llama
+    )
     print(f"{path}: {shape} (block {shape.block_bytes()} B in float32)")
     return 0
 

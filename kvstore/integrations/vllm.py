@@ -8,17 +8,25 @@
 
 vLLM builds the connector twice: the SCHEDULER role (in the engine core) plans, the WORKER role
 (next to the model) moves bytes. Both are thin maps of vLLM's objects onto the engine-neutral
-core, ``kvstore.integrations.paged`` (``PagedScheduler`` / ``PagedWorker``); the extra config is
-``kvstore.integrations.settings.ConnectorSettings``. This is the only module of kvstore that
-imports vLLM.
+core: ``kvstore.integrations.scheduler`` (``PagedScheduler``), ``kvstore.integrations.worker``
+(``PagedWorker``) and ``kvstore.integrations.groups`` (``EngineGroups``: what goes to which tier);
+the extra config is ``kvstore.integrations.settings.ConnectorSettings``. This is the only module
+of kvstore that imports vLLM.
 
+- Dense models (one full-attention group) and hybrid models (full attention plus sliding-window
+  layers, e.g. Gemma-3, with vLLM's hybrid KV-cache manager on: the connector is ``SupportsHMA``).
+  Full-attention blocks go to the block tier, a sliding window's state to the SWA tier; the tier
+  keeps each model's layout (``kvstore.tier.records.Layout``) apart, so one ``kvstore up``
+  serves many models. Other groups (Mamba state, ...) are refused at start-up.
 - Hits are whole 128-token blocks (vLLM must run with ``block_size=128``), at most prompt − 1
-  tokens, loaded synchronously layer by layer within the step (``wait_for_layer_load`` waits for
-  one layer; the fetcher process reads the next ones meanwhile).
-- A block that does not arrive, or arrives corrupt (the tier checks every shard), is reported
-  by ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"`` vLLM
-  recomputes it and discards what the step computed from it. With vLLM's default ("fail") such
-  a request fails instead, so the connector warns at start-up.
+  tokens (a hybrid model's: the longest prefix whose window the tier has). A dense model's load
+  runs layer by layer within the step (``wait_for_layer_load`` waits for one layer; the fetcher
+  process reads the next ones meanwhile); a hybrid model's is asynchronous (the request waits).
+- A block that does not arrive, or arrives corrupt (the tier checks every shard), is recomputed
+  with ``kv_load_failure_policy="recompute"``: a dense model's block through
+  ``get_block_ids_with_load_errors``, a hybrid model's whole request through
+  ``failed_recving`` (vLLM has no per-block path with several groups). With vLLM's default
+  ("fail") such a request fails instead, so the connector warns at start-up.
 - A tier that is down makes lookups misses after ``lookup_timeout_s`` (then misses without
   asking for ``retry_after_s``); saves to it fail in the background; the engine serves on.
 """
@@ -26,6 +34,7 @@ imports vLLM.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,12 +43,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvstore.api.client import ClientFactory
 from kvstore.errors import ConfigError
-from kvstore.integrations.paged import PagedScheduler, PagedWorker, StepPlan, describe
+from kvstore.integrations.groups import FULL, SLIDING, CacheGroup, EngineGroups
+from kvstore.integrations.plan import StepPlan, describe
+from kvstore.integrations.scheduler import PagedScheduler
 from kvstore.integrations.settings import ConnectorSettings, EngineLayout, engine_fingerprint
+from kvstore.integrations.worker import PagedWorker
 from kvstore.keys import BLOCK_TOKENS
 
 if TYPE_CHECKING:
@@ -70,23 +84,17 @@ def _settings(vllm_config: VllmConfig) -> ConnectorSettings:
         raise ConfigError(f"kv_connector_extra_config.{error.field}", error.detail) from None
 
 
-def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineLayout:
-    """What shapes this engine's block bytes, from what both roles are given."""
-    from vllm.platforms import current_platform
+_SPEC_KINDS = {"FullAttentionSpec": FULL, "SlidingWindowSpec": SLIDING}
 
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(
-            "kv_cache_groups",
-            f"kvstore loads models with one KV cache group, this one has {len(groups)} "
-            "(hybrid or sliding-window attention)",
-        )
-    spec = groups[0].kv_cache_spec
-    if type(spec).__name__ != "FullAttentionSpec":
-        raise ConfigError(
-            "kv_cache_spec",
-            f"kvstore loads full attention only, this model has {type(spec).__name__}",
-        )
+
+def _layer_order(name: str) -> tuple[Any, ...]:
+    """Model order of vLLM layer names (``model.layers.10...`` after ``model.layers.9...``)."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def engine_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineGroups:
+    """The engine's KV-cache groups as kvstore serves them (refused, with the reason, when it
+    cannot serve them exactly)."""
     block_size = int(vllm_config.cache_config.block_size)
     if block_size != BLOCK_TOKENS:
         raise ConfigError(
@@ -94,6 +102,42 @@ def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> En
             f"kvstore blocks are {BLOCK_TOKENS} tokens; run vLLM with block_size={BLOCK_TOKENS} "
             f"(--block-size {BLOCK_TOKENS}), not {block_size}",
         )
+    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+    for spec in specs:
+        kind = type(spec).__name__
+        if kind not in _SPEC_KINDS:
+            raise ConfigError(
+                "kv_cache_spec",
+                f"kvstore serves full and sliding-window attention, this model has {kind} "
+                "(its state could not be restored exactly)",
+            )
+        if int(spec.block_size) != BLOCK_TOKENS:
+            raise ConfigError("block_size", f"a {kind} group has {spec.block_size}-token blocks")
+    pages = {int(spec.page_size_bytes) for spec in specs}
+    if len(pages) != 1:
+        raise ConfigError("page_size_bytes", f"KV-cache groups differ in page size: {pages}")
+    names = sorted(
+        (name for group in kv_cache_config.kv_cache_groups for name in group.layer_names),
+        key=_layer_order,
+    )
+    index = {name: i for i, name in enumerate(names)}
+    groups = tuple(
+        CacheGroup(
+            _SPEC_KINDS[type(group.kv_cache_spec).__name__],
+            tuple(sorted(index[name] for name in group.layer_names)),
+            getattr(group.kv_cache_spec, "sliding_window", None),
+        )
+        for group in kv_cache_config.kv_cache_groups
+    )
+    return EngineGroups(BLOCK_TOKENS, pages.pop(), tuple(names), groups)
+
+
+def engine_layout(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, groups: EngineGroups
+) -> EngineLayout:
+    """What shapes this engine's block bytes, from what both roles are given."""
+    from vllm.platforms import current_platform
+
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -104,23 +148,33 @@ def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> En
                 name, f"kvstore's connector runs with {name} 1, got {getattr(parallel, name)}"
             )
     settings = _settings(vllm_config)
+    spec_of = {
+        name: group.kv_cache_spec
+        for group in kv_cache_config.kv_cache_groups
+        for name in group.layer_names
+    }
     layers = tuple(
-        (name, int(spec.num_kv_heads), int(spec.head_size)) for name in groups[0].layer_names
+        (name, int(spec_of[name].num_kv_heads), int(spec_of[name].head_size))
+        for name in groups.layer_names
     )
+    first = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     return EngineLayout(
         model=settings.model_id or str(model.model),
         revision=model.revision,
-        dtype=str(spec.dtype),
-        block_tokens=block_size,
+        dtype=str(first.dtype),
+        block_tokens=groups.block_tokens,
         layers=layers,
-        backend=f"{current_platform.device_type}:page={spec.page_size_bytes}",
+        backend=f"{current_platform.device_type}:page={groups.page_bytes}",
         tp_rank=0,
         tp_size=1,
-        extra={"cache_dtype": str(vllm_config.cache_config.cache_dtype)},
+        extra={
+            "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+            "groups": [[g.kind, list(g.layers), g.window] for g in groups.groups],
+        },
     )
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """kvstore's vLLM connector (both roles; vLLM makes one object per role)."""
 
     def __init__(
@@ -128,14 +182,25 @@ class KVStoreConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = _settings(vllm_config)
-        self.layout = engine_layout(vllm_config, kv_cache_config)
-        self._layer_names = [name for name, _, _ in self.layout.layers]
+        self.groups = engine_groups(vllm_config, kv_cache_config)
+        self.layout = engine_layout(vllm_config, kv_cache_config, self.groups)
+        fingerprint = engine_fingerprint(self.layout)
+        self.tier_layout = self.groups.layout(fingerprint)
+        self._layer_names = list(self.groups.layer_names)
         self._layer_index = {name: i for i, name in enumerate(self._layer_names)}
         self.scheduler: PagedScheduler | None = None
         self.worker: PagedWorker | None = None
         self._live: dict[str, Request] = {}
         self._seen_finished: set[str] = set()
         self._deferred: set[str] = set()
+        mode = self.groups.hit_mode
+        if self.settings.hit_mode is not None and self.settings.hit_mode != mode:
+            raise ConfigError(
+                "hit_mode",
+                f"this model needs {mode!r} hits (its attention is computed exactly"
+                f"{' over a sliding window' if self.groups.hybrid else ''}), not "
+                f"{self.settings.hit_mode!r}; leave hit_mode out",
+            )
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
         if role == KVConnectorRole.SCHEDULER:
             if policy != "recompute":
@@ -147,25 +212,38 @@ class KVStoreConnector(KVConnectorBase_V1):
             client = self._client(self.settings.lookup_timeout_s)()
             self.scheduler = PagedScheduler(
                 client,
-                engine_fingerprint(self.layout),
-                mode=self.settings.hit_mode,
+                self.groups.group_fingerprint(fingerprint),
+                mode=mode,
+                groups=self.groups,
                 traffic_class=self.settings.traffic_class,
                 retry_after_s=self.settings.retry_after_s,
                 load=self.settings.load,
                 save=self.settings.save,
             )
             log.info(
-                "kvstore: %s, %s, %d layers; tier %s",
+                "kvstore: %s, %s, %d layers (%s), %s hits; blocks of %d B%s; tier %s",
                 self.layout.model,
                 self.layout.dtype,
                 len(self._layer_names),
+                ", ".join(f"{g.kind}×{len(g.layers)}" for g in self.groups.groups),
+                mode,
+                self.tier_layout.block_bytes,
+                f", window states of {self.tier_layout.state_bytes} B"
+                if self.groups.hybrid
+                else "",
                 self.settings.address,
             )
 
     def _client(self, timeout_s: float) -> ClientFactory:
         s = self.settings
         return ClientFactory(
-            s.address, s.token(), s.tls_root_cert, s.tls_client_cert, s.tls_client_key, timeout_s
+            s.address,
+            s.token(),
+            s.tls_root_cert,
+            s.tls_client_cert,
+            s.tls_client_key,
+            timeout_s,
+            layout=self.tier_layout,
         )
 
     # === worker side ===========================================================================
@@ -175,7 +253,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if missing:
             raise ConfigError("kv_caches", f"no KV cache tensor for layers {missing}")
         tensors = [kv_caches[name] for name in self._layer_names]
-        page = int(self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes)
+        page = self.groups.page_bytes
         for name, tensor in zip(self._layer_names, tensors, strict=True):
             row = tensor[0].numel() * tensor.element_size()
             if row != page:
@@ -190,31 +268,22 @@ class KVStoreConnector(KVConnectorBase_V1):
             tensors,
             factory,
             writer,
+            groups=self.groups,
             staging_bytes=self.settings.staging_bytes,
             staging_dir=self.settings.staging_dir,
             layer_timeout_s=self.settings.layer_timeout_s,
             max_pending_save_bytes=self.settings.max_pending_save_bytes,
         )
-        self._check_block_size(writer, self.worker.block_bytes)
-
-    def _check_block_size(self, client: Any, engine_bytes: int) -> None:
         try:
-            tier_bytes = client.stats().extra.get("block_bytes")
+            serving = writer.serving()
         except Exception as error:  # noqa: BLE001 - a tier down at start-up is a miss later
+            serving, why = False, describe(error)
+        else:
+            why = "not serving"
+        if not serving:
             log.warning(
-                "kvstore: tier %s not reachable at start-up (%s)",
-                self.settings.address,
-                describe(error),
+                "kvstore: tier %s not reachable at start-up (%s)", self.settings.address, why
             )
-            return
-        if tier_bytes is not None and int(tier_bytes) != engine_bytes:
-            raise ConfigError(
-                "block_bytes",
-                f"the tier at {self.settings.address} stores blocks of {tier_bytes} B; this "
-                f"engine's blocks are {engine_bytes} B: start it with "
-                f"`kvstore up --block-bytes {engine_bytes}`",
-            )
-        log.info("kvstore: engine blocks of %d B, tier agrees", engine_bytes)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # The step starts here, before the forward: vLLM calls ``start_load_kv`` after the
@@ -246,16 +315,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.finish_step()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.worker is None:
-            return None, None
+            return KVConnectorTransferResults()
         # vLLM accepts only ids it has passed here: one whose report comes first waits for it.
         self._seen_finished.update(finished_req_ids)
         ready = self.worker.finished_saving() | self._deferred
         sending = ready & self._seen_finished
         self._deferred = ready - sending
         self._seen_finished -= sending
-        return (sending or None), None
+        loaded, failed = self.worker.finished_loading()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=loaded, failed_recving=failed
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return (results.finished_sending or None), (results.finished_recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()
@@ -276,14 +352,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not prompt:
             return 0, False
         tokens = self.scheduler.matched_tokens(request.request_id, prompt, num_computed_tokens)
-        return tokens, False
+        return tokens, bool(tokens) and self.scheduler.asynchronous_loads
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self.scheduler is not None
-        (block_ids,) = blocks.get_block_ids()
-        self.scheduler.allocated(request.request_id, block_ids, num_external_tokens)
+        tables = blocks.get_block_ids()
+        self.scheduler.allocated(request.request_id, tables, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
@@ -295,7 +371,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 new.req_id,
                 tokens,
                 new.num_computed_tokens + scheduled.get(new.req_id, 0),
-                table=new.block_ids[0],
+                table=new.block_ids,
             )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -303,14 +379,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             if live is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            appended = new_ids[0] if new_ids is not None else []
             resumed = req_id in cached.resumed_req_ids
             self.scheduler.step(
                 req_id,
                 live.all_token_ids,
                 cached.num_computed_tokens[i] + scheduled.get(req_id, 0),
-                table=appended if resumed else None,
-                appended=() if resumed else appended,
+                table=new_ids if resumed and new_ids is not None else None,
+                appended=() if resumed or new_ids is None else new_ids,
             )
         return KVStoreMetadata(self.scheduler.build())
 
@@ -321,3 +396,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.scheduler is None:
             return False, None
         return self.scheduler.finished(request.request_id), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])

@@ -11,8 +11,9 @@ of ``kvstore.integrations.vllm``; null = no connector), ``max_tokens`` (4), ``pr
 
 Prints one line ``RESULT {json}``: per prompt the greedy token ids, their logprobs,
 ``num_cached_tokens`` and the seconds ``generate`` took; with a connector in one process, the
-worker's figures after each prompt (``kvstore.integrations.paged.WorkerStats``) and the key
-fingerprint. ``fresh_engine`` runs it in a new process from Python (tests, benchmark).
+worker's figures after each prompt (``kvstore.integrations.worker.WorkerStats``), the key
+fingerprints, the tier layout and the KV-cache groups the connector was given.
+``fresh_engine`` runs it in a new process from Python (tests, benchmark).
 """
 
 from __future__ import annotations
@@ -86,7 +87,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if worker is not None:
         from kvstore.integrations.settings import engine_fingerprint
 
-        answer["fingerprint"] = engine_fingerprint(worker.layout).hex()
+        fingerprint = engine_fingerprint(worker.layout)
+        answer["fingerprint"] = fingerprint.hex()
+        answer["key_fingerprint"] = worker.groups.group_fingerprint(fingerprint).hex()
+        answer["layout"] = {
+            "block_bytes": worker.tier_layout.block_bytes,
+            "state_bytes": worker.tier_layout.state_bytes,
+        }
+        answer["groups"] = [[g.kind, list(g.layers), g.window] for g in worker.groups.groups]
         if worker.worker is not None:
             worker.worker.flush(60.0)  # the saves reach the tier before this engine exits
             answer["worker"] = dict(vars(worker.worker.stats))

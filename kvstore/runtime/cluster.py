@@ -325,6 +325,15 @@ def cluster_cpus(default: int = 2) -> int:
     return int(ray.cluster_resources().get("CPU", default))
 
 
+def node_addresses() -> dict[str, str]:
+    """Hex id → IP address of every Ray node the GCS considers alive."""
+    return {
+        node["NodeID"]: str(node.get("NodeManagerAddress", ""))
+        for node in ray.nodes()
+        if node.get("Alive")
+    }
+
+
 def alive_node_ids() -> list[str]:
     """Hex ids of the Ray nodes the GCS currently considers alive (needs a connected driver)."""
     return sorted(node["NodeID"] for node in ray.nodes() if node.get("Alive"))

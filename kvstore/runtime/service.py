@@ -22,7 +22,13 @@ import ray
 from kvstore.api.gateway import Gateway
 from kvstore.api.server import ServerOptions
 from kvstore.config import ServiceConfig
-from kvstore.runtime.cluster import LocalCluster, alive_node_ids, connect, control_node_ids
+from kvstore.runtime.cluster import (
+    LocalCluster,
+    alive_node_ids,
+    connect,
+    control_node_ids,
+    node_addresses,
+)
 from kvstore.runtime.deploy import BlockStoreHandles, deploy_blockstore
 from kvstore.runtime.gc_actors import deploy_gc
 from kvstore.runtime.swa_actors import SWADeployment, deploy_swa
@@ -81,6 +87,7 @@ class Service:
             config.geometry,
             local_machine=local_machine,
             block_bytes=config.block_bytes,
+            machine_addresses=_machines_by_address(machines),
         )
         return cls(config, blocks, swa, gc, tier)
 
@@ -133,3 +140,15 @@ def embedded_service(
             gateway.stop()
     finally:
         service.stop()
+
+
+def _machines_by_address(machines: dict[str, str]) -> dict[str, str]:
+    """IP address → machine id, for the addresses that name one machine only (machines of a
+    local cluster all share 127.0.0.1: none of them is named by it)."""
+    address_of = node_addresses()
+    found: dict[str, list[str]] = {}
+    for machine, node_id in machines.items():
+        address = address_of.get(node_id)
+        if address:
+            found.setdefault(address, []).append(machine)
+    return {address: names[0] for address, names in found.items() if len(names) == 1}

@@ -53,7 +53,7 @@ from kvstore.swa.directory import (
     SyncRequest,
     shard_ids,
 )
-from kvstore.swa.store import SWAStore
+from kvstore.swa.store import SWAStore, pool_max_state_bytes
 from kvstore.swa.transport import (
     EntrypointCalls,
     LookupCalls,
@@ -191,7 +191,7 @@ class SWAStoreActor:
         self._config = config
         capacity = config.resolved_capacity_bytes()
         store = SWAStore(
-            state_bytes=state_bytes,
+            max_state_bytes=pool_max_state_bytes(state_bytes, capacity),
             capacity_bytes=capacity,
             ttl_s=config.ttl_s,
             clock=SystemClock(),

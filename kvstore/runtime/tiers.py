@@ -64,6 +64,7 @@ def cluster_tier(
     local_machine: str | None = None,
     foreign_leases: bool = False,
     block_bytes: int | None = None,
+    machine_addresses: dict[str, str] | None = None,
 ) -> ClusterTier:
     """The tier facade over a deployment (this process connected to its Ray cluster);
     ``foreign_leases``: see ``ClusterTier``; ``block_bytes``: the payload size it accepts
@@ -79,6 +80,7 @@ def cluster_tier(
         block_bytes=geometry.block_bytes if block_bytes is None else block_bytes,
         control=RayTierControl(blocks.metas, blocks.repair),
         foreign_leases=foreign_leases,
+        machine_addresses=machine_addresses,
     )
 
 

@@ -94,9 +94,18 @@ class SWAClient:
 
     # --- states -----------------------------------------------------------------------
 
-    def put(self, machine_id: str, key: BlockKey, position: int, blob: object) -> bool:
+    def put(
+        self,
+        machine_id: str,
+        key: BlockKey,
+        position: int,
+        blob: object,
+        *,
+        state_bytes: int | None = None,
+    ) -> bool:
         """Store a state on ``machine_id``'s store. True once registered in the directory;
         False when stored but the registration is still pending (the store retries).
+        ``state_bytes``: the exact size of a state of its layout (None: the tier's own).
         Raises ``StateRejected`` (wrong size / position) before anything is sent,
         ``InvalidArgument`` for an unknown machine, and ``StoreError`` when the store could
         not take it."""
@@ -104,36 +113,40 @@ class SWAClient:
         array = check_state(
             position,
             blob,
-            state_bytes=self.layout.state_bytes,
+            state_bytes=self.layout.state_bytes if state_bytes is None else state_bytes,
             block_tokens=self.layout.block_tokens,
         )
         name = self.layout.store_name(machine_id)
         return self._transport.put(name, key, int(position), array)
 
-    def fetch(self, owner: StoreRef, key: BlockKey) -> FetchedState | None:
-        """The state's bytes from ``owner``, or None (gone, owner lost, timeout, bad size)."""
+    def fetch(
+        self, owner: StoreRef, key: BlockKey, *, state_bytes: int | None = None
+    ) -> FetchedState | None:
+        """The state's bytes from ``owner``, or None (gone, owner lost, timeout, bad size;
+        ``state_bytes``: the size of its layout's states, None: the tier's own)."""
         start = time.perf_counter()
         blob = self._transport.fetch(owner, key)
         seconds = time.perf_counter() - start
         if blob is None:
             return None
-        if blob.dtype != np.uint8 or blob.size != self.layout.state_bytes:
+        expected = self.layout.state_bytes if state_bytes is None else state_bytes
+        if blob.dtype != np.uint8 or blob.size != expected:
             log.warning(
                 "state %s from %s has %s B, expected %s B: treated as a miss",
                 key.hex()[:16],
                 owner.machine_id,
                 blob.size,
-                self.layout.state_bytes,
+                expected,
             )
             return None
         if seconds > 0:
             self.advisor.observe_fetch(owner.machine_id, blob.nbytes, seconds)
         return FetchedState(key, owner, blob, seconds)
 
-    def get(self, key: BlockKey) -> FetchedState | None:
+    def get(self, key: BlockKey, *, state_bytes: int | None = None) -> FetchedState | None:
         """Look the state up and fetch it from its owner: None on any kind of miss."""
         owner = self.locate(key)
-        return None if owner is None else self.fetch(owner, key)
+        return None if owner is None else self.fetch(owner, key, state_bytes=state_bytes)
 
     def measure_link(self, machine_id: str, samples: int = 3) -> float | None:
         """Ping ``machine_id``'s store ``samples`` times to feed the latency estimate; returns

@@ -1,9 +1,11 @@
 """One machine's SWA state pool: fixed-size blobs in host memory, bounded, LRU + TTL.
 
-A state is the stored region of one sequence's state block (SPEC §4): exactly
-``state_size_to_disk`` bytes, snapshotted at an aligned position p (SPEC §6: p > 0, p % 128 == 0)
-and keyed by the block key of the block that ends at p. Anything else is rejected before it
-touches the pool, with an error naming both the size and the position and what was expected.
+A state is the stored region of one sequence's state block (SPEC §4), snapshotted at an aligned
+position p (SPEC §6: p > 0, p % 128 == 0) and keyed by the block key of the block that ends at p.
+Its exact size belongs to the layout it was made under (``kvstore.tier.records.Layout``): the
+callers check it, the pool only takes any state of at most ``max_state_bytes`` (by default the
+tier's own state size). Anything else is rejected before it touches the pool, with an error naming
+both the size and the position and what was expected.
 
 Eviction: by LRU when a put would exceed the byte bound, and by TTL measured from the last access
 (a put or a hit), so a state an agent loop keeps reusing stays while an abandoned one goes.
@@ -30,9 +32,15 @@ from kvstore.keys import BLOCK_TOKENS, BlockKey, check_key
 
 
 def check_state(
-    position: object, blob: object, *, state_bytes: int, block_tokens: int = BLOCK_TOKENS
+    position: object,
+    blob: object,
+    *,
+    state_bytes: int,
+    block_tokens: int = BLOCK_TOKENS,
+    at_most: bool = False,
 ) -> np.ndarray:
-    """Validate a state put; returns the blob as a flat uint8 array (no copy when possible).
+    """Validate a state put: exactly ``state_bytes`` (``at_most``: 1 to ``state_bytes``) at a
+    store position; returns the blob as a flat uint8 array (no copy when possible).
 
     The message always names both the size and the position, with the expected values, so the
     producer sees at once which side of its geometry is off.
@@ -55,16 +63,28 @@ def check_state(
         and int(position) > 0
         and int(position) % block_tokens == 0
     )
-    size_ok = array.size == state_bytes
+    size_ok = 0 < array.size <= state_bytes if at_most else array.size == state_bytes
     if not (position_ok and size_ok):
         wrong = [name for name, ok in (("blob", size_ok), ("position", position_ok)) if not ok]
+        size = f"at most {state_bytes} B" if at_most else f"exactly {state_bytes} B"
         raise StateRejected(
             ", ".join(wrong),
-            f"state of {array.size} B at position {position!r} rejected: a state is exactly "
-            f"{state_bytes} B (state_size_to_disk) and is stored only at a position p > 0 with "
+            f"state of {array.size} B at position {position!r} rejected: a state is {size} "
+            f"(its layout's state size) and is stored only at a position p > 0 with "
             f"p % {block_tokens} == 0 (SPEC §6)",
         )
     return array
+
+
+#: The largest state a pool takes when its tier's own state is smaller: another model's layout
+#: may keep a longer window or more sliding layers (a pool never takes more than its capacity).
+MAX_STATE_BYTES = 64 * 1024 * 1024
+
+
+def pool_max_state_bytes(state_bytes: int, capacity_bytes: int) -> int:
+    """The largest state a pool of ``capacity_bytes`` on a tier whose own states are
+    ``state_bytes`` takes."""
+    return min(capacity_bytes, max(state_bytes, MAX_STATE_BYTES))
 
 
 def owned_copy(array: np.ndarray) -> np.ndarray:
@@ -80,6 +100,7 @@ class _Entry:
     position: int
     payload: Any  # what ``keep`` made of the validated bytes
     last_access: float
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -99,23 +120,30 @@ class SWAStore:
     def __init__(
         self,
         *,
-        state_bytes: int,
+        max_state_bytes: int,
         capacity_bytes: int,
         ttl_s: float,
         clock: Clock,
         block_tokens: int = BLOCK_TOKENS,
         keep: Callable[[np.ndarray], Any] = owned_copy,
     ) -> None:
-        if isinstance(state_bytes, bool) or not isinstance(state_bytes, int) or state_bytes <= 0:
-            raise ConfigError("state_bytes", f"must be a positive integer, got {state_bytes!r}")
-        if capacity_bytes < state_bytes:
+        if (
+            isinstance(max_state_bytes, bool)
+            or not isinstance(max_state_bytes, int)
+            or max_state_bytes <= 0
+        ):
+            raise ConfigError(
+                "max_state_bytes", f"must be a positive integer, got {max_state_bytes!r}"
+            )
+        if capacity_bytes < max_state_bytes:
             raise ConfigError(
                 "capacity_bytes",
-                f"{capacity_bytes} B cannot hold one state of {state_bytes} B",
+                f"{capacity_bytes} B cannot hold one state of {max_state_bytes} B",
             )
         if ttl_s <= 0:
             raise ConfigError("ttl_s", f"must be positive, got {ttl_s}")
-        self._state_bytes = state_bytes
+        self._max_state_bytes = max_state_bytes
+        self._used = 0
         self._capacity = capacity_bytes
         self._ttl = float(ttl_s)
         self._clock = clock
@@ -127,8 +155,8 @@ class SWAStore:
         self._hits = self._misses = self._evicted = self._expired = 0
 
     @property
-    def state_bytes(self) -> int:
-        return self._state_bytes
+    def max_state_bytes(self) -> int:
+        return self._max_state_bytes
 
     @property
     def capacity_bytes(self) -> int:
@@ -136,7 +164,7 @@ class SWAStore:
 
     @property
     def used_bytes(self) -> int:
-        return len(self._entries) * self._state_bytes
+        return self._used
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -156,19 +184,25 @@ class SWAStore:
         """
         key = check_key(key, "key")
         array = check_state(
-            position, blob, state_bytes=self._state_bytes, block_tokens=self._block_tokens
+            position,
+            blob,
+            state_bytes=self._max_state_bytes,
+            block_tokens=self._block_tokens,
+            at_most=True,
         )
         now = self._clock.now()
         self.expire()
         payload = self._keep(array)
         if key in self._entries:
-            del self._entries[key]
+            self._used -= self._entries.pop(key).nbytes
         evicted: list[BlockKey] = []
-        while (len(self._entries) + 1) * self._state_bytes > self._capacity:
-            victim, _ = self._entries.popitem(last=False)
+        while self._entries and self._used + array.size > self._capacity:
+            victim, entry = self._entries.popitem(last=False)
+            self._used -= entry.nbytes
             evicted.append(victim)
             self._evicted += 1
-        self._entries[key] = _Entry(int(position), payload, now)
+        self._entries[key] = _Entry(int(position), payload, now, int(array.size))
+        self._used += int(array.size)
         self._removed.extend(evicted)
         return evicted
 
@@ -228,7 +262,7 @@ class SWAStore:
         )
 
     def _drop(self, key: BlockKey, *, expired: bool) -> None:
-        del self._entries[key]
+        self._used -= self._entries.pop(key).nbytes
         self._removed.append(key)
         if expired:
             self._expired += 1

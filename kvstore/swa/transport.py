@@ -25,7 +25,7 @@ from kvstore.keys import BlockKey
 from kvstore.swa.agent import StoreAgent
 from kvstore.swa.config import SWAConfig
 from kvstore.swa.directory import DirectoryShard, ShardMap, StoreRef, shard_ids
-from kvstore.swa.store import SWAStore
+from kvstore.swa.store import SWAStore, pool_max_state_bytes
 
 #: shard id -> (keys, preferred machine) of one lookup round.
 LookupCalls = Mapping[str, tuple[Sequence[BlockKey], str | None]]
@@ -221,9 +221,10 @@ def local_swa(
     agents = {}
     for machine in machines:
         name = f"{config.name}-store-{machine}"
+        capacity = config.resolved_capacity_bytes()
         store = SWAStore(
-            state_bytes=layout.state_bytes,
-            capacity_bytes=config.resolved_capacity_bytes(),
+            max_state_bytes=pool_max_state_bytes(layout.state_bytes, capacity),
+            capacity_bytes=capacity,
             ttl_s=config.ttl_s,
             clock=clock,
             block_tokens=layout.block_tokens,

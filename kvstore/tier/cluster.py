@@ -24,7 +24,7 @@ import hashlib
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -121,11 +121,14 @@ class ClusterTier:
         max_open_leases: int = MAX_OPEN_LEASES,
         clock: Clock | None = None,
         foreign_leases: bool = False,
+        machine_addresses: Mapping[str, str] | None = None,
     ) -> None:
         """``foreign_leases``: this tier reads for another process that took the leases (an
         engine's fetcher process; its scheduler-side tier holds the leases and releases them
         after the load), so a lease id it does not know is read without a lease instead of
-        being refused (the gateway refuses: NOT_FOUND)."""
+        being refused (the gateway refuses: NOT_FOUND). ``machine_addresses``: IP address →
+        machine id of the machines with an SWA store (``machine_at``)."""
+        self._machine_addresses = dict(machine_addresses or {})
         self.model_fingerprint = geometry.fingerprint()
         self.state_size = state_size
         self.block_bytes = block_bytes
@@ -164,6 +167,11 @@ class ClusterTier:
         self._closed = threading.Event()
         self._sweeper: threading.Thread | None = None
         self._foreign_leases = foreign_leases
+
+    def machine_at(self, address: str) -> str | None:
+        """The machine (with an SWA store) at IP ``address``, if one is known: a state put
+        from there is kept in that machine's memory, the one that produced it."""
+        return self._machine_addresses.get(address)
 
     @property
     def local_machine(self) -> str | None:
@@ -247,6 +255,10 @@ class ClusterTier:
         hit_blocks = plan.block_hit_tokens // block
         looked_up = min(result.keys.shape[0], plan.cap // block)
         self._count(name, lookups=1, hit_blocks=hit_blocks, miss_blocks=looked_up - hit_blocks)
+        if plan.swa_position is not None and not plan.swa_hit:
+            # The block run was there but the window state was not (never stored, expired, or
+            # its machine lost): the hit backed off, replayed or (exact-window) went lower.
+            self._count(name, swa_state_missing=1)
         lease: Lease | None = result.lease
         lease_id = None
         if lease is not None:
@@ -311,12 +323,14 @@ class ClusterTier:
             )
         ]
 
-    def get_swa_state(self, key: bytes, position: int) -> StateRead:
+    def get_swa_state(
+        self, key: bytes, position: int, *, state_bytes: int | None = None
+    ) -> StateRead:
         check_store_position(position, "position", block_tokens=self._geometry.block_tokens)
         if self._swa is None:
             return StateRead(state=None, miss_reason="no_swa_tier")
         # Kept under its key bound to its position: another position's state is a miss.
-        fetched = self._swa.get(state_slot(check_key(key), position))
+        fetched = self._swa.get(state_slot(check_key(key), position), state_bytes=state_bytes)
         if fetched is None:
             return StateRead(state=None, miss_reason="not_in_directory_or_owner_lost")
         return StateRead(state=fetched.blob.tobytes(), owner=fetched.owner.machine_id)
@@ -330,7 +344,13 @@ class ClusterTier:
         return put_answer(self._blocks.put_blocks(keys, payloads, name))
 
     def put_swa_state(
-        self, key: bytes, position: int, state: bytes, machine: str | None = None
+        self,
+        key: bytes,
+        position: int,
+        state: bytes,
+        machine: str | None = None,
+        *,
+        state_bytes: int | None = None,
     ) -> str:
         check_store_position(position, "position", block_tokens=self._geometry.block_tokens)
         key = check_key(key)
@@ -344,7 +364,9 @@ class ClusterTier:
         elif target not in stores:
             raise InvalidArgument("machine", f"no SWA store on {target!r}; known: {stores}")
         slot = state_slot(key, position)
-        self._swa.put(target, slot, position, np.frombuffer(state, dtype=np.uint8))
+        self._swa.put(
+            target, slot, position, np.frombuffer(state, dtype=np.uint8), state_bytes=state_bytes
+        )
         return target
 
     # --- figures -------------------------------------------------------------------------------
@@ -363,6 +385,10 @@ class ClusterTier:
                     "miss_reasons": defaultdict(int),
                     "stored_bytes": 0,
                 }
+                if counters.get("swa_state_missing"):
+                    classes[name]["miss_reasons"]["swa_state_missing"] = counters[
+                        "swa_state_missing"
+                    ]
             degraded = self._degraded_reads
         block_bytes = 0
         for meta in metas:
@@ -401,6 +427,8 @@ class ClusterTier:
                 "repair": repair or {},
                 "client": self._blocks.stats(),
                 "swa": swa,
+                # Which machine a state put from an address is kept on (``machine_at``).
+                "machines_by_address": dict(self._machine_addresses),
                 # How well concurrent QueryHits share cluster calls: requests per batch.
                 "coalescing": self._coalescing(),
             },

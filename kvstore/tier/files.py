@@ -89,11 +89,21 @@ class DirectoryTier:
             _write_file(self._blocks, _block_name(key), bytes(payload))
         return PutAnswer(stored=len(checked))
 
+    def machine_at(self, address: str) -> str | None:
+        """One machine, named by no address."""
+        return None
+
     def put_swa_state(
-        self, key: bytes, position: int, state: bytes, machine: str | None = None
+        self,
+        key: bytes,
+        position: int,
+        state: bytes,
+        machine: str | None = None,
+        *,
+        state_bytes: int | None = None,
     ) -> str:
         check_key(key)
-        check_state(position, state, state_bytes=self.state_size)
+        check_state(position, state, state_bytes=state_bytes or self.state_size)
         _write_file(self._swa, _state_name(key, position), bytes(state))
         return machine or LOCAL_OWNER
 
@@ -108,10 +118,13 @@ class DirectoryTier:
             reads.append(BlockRead(key=key, payload=payload, miss_reason=reason))
         return reads
 
-    def get_swa_state(self, key: bytes, position: int) -> StateRead:
+    def get_swa_state(
+        self, key: bytes, position: int, *, state_bytes: int | None = None
+    ) -> StateRead:
         state, reason = _read_file(self._swa, _state_name(key, position))
-        if state is not None and len(state) != self.state_size:
-            reason = f"corrupt: state has {len(state)} B, expected {self.state_size}"
+        expected = state_bytes or self.state_size
+        if state is not None and len(state) != expected:
+            reason = f"corrupt: state has {len(state)} B, expected {expected}"
             state = None
         return StateRead(state=state, owner=LOCAL_OWNER if state else None, miss_reason=reason)
 

@@ -11,6 +11,10 @@
    fetch-or-replay advice is attached, plus the plan to follow if the fetch fails after all
    (``miss_plan``: back off one block, or bounded replay), so a lost owner is never an error.
 
+Exact-window mode (an engine with exact sliding-window attention) asks about L1 first too; when
+that state is missing it asks about every block boundary below L1 at once (one round: the
+directory answers them together) and takes the highest one found, or plans a miss.
+
 Both tiers are reached through two small protocols (``BlockLookup``, ``StateLocator``), so every
 tier implementation — the cluster, files in a directory, the unit tests' stand-ins — composes
 them here, and ``HitResult.answer`` is the one translation into the seam's ``HitAnswer``.
@@ -18,6 +22,7 @@ them here, and ``HitResult.answer`` is the one translation into the seam's ``Hit
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Generator, Sequence
 from dataclasses import dataclass
@@ -26,7 +31,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvstore.errors import InvalidArgument, StoreError
-from kvstore.hitplan import MODES, STANDARD, HasHitGeometry, HitPlan, hit_cap, plan_hit
+from kvstore.hitplan import (
+    EXACT_WINDOW,
+    MODES,
+    STANDARD,
+    HasHitGeometry,
+    HitPlan,
+    hit_cap,
+    plan_hit,
+)
 from kvstore.keys import BlockKey, block_key_words, key_words, repeated_key
 from kvstore.swa.advice import FETCH, Advice, FetchReplayAdvisor
 from kvstore.swa.directory import StoreRef
@@ -78,8 +91,8 @@ class NoStates:
         return None
 
 
-#: What the plan asks of the tiers between its steps: ("blocks", keys) or
-#: ("state", (key, position)).
+#: What the plan asks of the tiers between its steps: ("blocks", keys), ("state", (key,
+#: position)) or ("states", [(key, position), ...]: every one answered, in order).
 _Need = tuple[str, Any]
 
 
@@ -178,6 +191,8 @@ class HitQuery:
             try:
                 if need[0] == "blocks":
                     reply = self._ask_blocks(need[1])
+                elif need[0] == "states":
+                    reply = [self._states.locate(k, p, self.local_machine) for k, p in need[1]]
                 else:
                     key, position = need[1]
                     reply = self._states.locate(key, position, self.local_machine)
@@ -202,6 +217,11 @@ class HitQuery:
             try:
                 if need[0] == "blocks":
                     reply = await self._ask_blocks_async(self._blocks.lookup_async(need[1]))
+                elif need[0] == "states":
+                    # Asked together, they share one round of directory calls.
+                    reply = await asyncio.gather(
+                        *(self._states.locate_async(k, p, self.local_machine) for k, p in need[1])
+                    )
                 else:
                     key, position = need[1]
                     reply = await self._states.locate_async(key, position, self.local_machine)
@@ -239,6 +259,13 @@ class HitQuery:
                 return HitResult(l1_plan, keys, None, None, None, None, run, lease)
             swa_key = BlockKey(keys[position // block - 1].tobytes())
             owner = yield ("state", (swa_key, position))
+            if owner is None and mode == EXACT_WINDOW and position > block:
+                below = range(position - block, 0, -block)
+                asked = [(BlockKey(keys[p // block - 1].tobytes()), p) for p in below]
+                owners = yield ("states", asked)
+                found_below = [(k, p, o) for (k, p), o in zip(asked, owners, strict=True) if o]
+                if found_below:
+                    swa_key, position, owner = found_below[0]
             if owner is None:
                 return HitResult(l1_plan, keys, swa_key, None, None, None, run, lease)
             found = {position: owner.machine_id}

@@ -48,7 +48,12 @@ class TierReader(Protocol):
         ``keep_lease``: not yet (more reads with it follow; ``release_lease`` ends it)."""
         ...
 
-    def get_swa_state(self, key: bytes, position: int) -> StateRead: ...
+    def get_swa_state(
+        self, key: bytes, position: int, *, state_bytes: int | None = None
+    ) -> StateRead:
+        """The state taken at exactly ``position``; ``state_bytes``: the exact size of its
+        layout's states (None: the tier's own), any other size is a miss."""
+        ...
 
 
 class TierWriter(Protocol):
@@ -59,9 +64,16 @@ class TierWriter(Protocol):
     ) -> PutAnswer: ...
 
     def put_swa_state(
-        self, key: bytes, position: int, state: bytes, machine: str | None = None
+        self,
+        key: bytes,
+        position: int,
+        state: bytes,
+        machine: str | None = None,
+        *,
+        state_bytes: int | None = None,
     ) -> str:
-        """Store a state (on ``machine``'s store when given); returns the machine holding it."""
+        """Store a state (on ``machine``'s store when given); returns the machine holding it.
+        ``state_bytes``: the exact size of its layout's states (None: the tier's own)."""
         ...
 
 
@@ -74,13 +86,18 @@ class Tier(EngineTier, Protocol):
 
     #: Model fingerprint used to turn token ids into block keys (``kvstore.keys.block_keys``).
     model_fingerprint: bytes
-    #: Exact size an SWA state must have (``GeometryConfig.state_size_to_disk``).
+    #: The tier's own layout (``kvstore.tier.records.Layout``, for requests that name none):
+    #: the exact size of an SWA state (``GeometryConfig.state_size_to_disk``) and of one
+    #: block's payload (``GeometryConfig.block_bytes``, or ``kvstore up --block-bytes``).
     state_size: int
-    #: Exact size of one block's payload (``GeometryConfig.block_bytes``): a tenant's put of
-    #: any other size is refused.
     block_bytes: int
 
     def stats(self) -> Stats: ...
+
+    def machine_at(self, address: str) -> str | None:
+        """The machine with an SWA store at IP ``address`` (None: not one of the tier's): the
+        gateway keeps a state put from a machine in that machine's memory."""
+        ...
 
 
 #: Builds a reader inside another process (the engine's fetcher). Must be picklable (spawn): a

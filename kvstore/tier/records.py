@@ -8,6 +8,8 @@ demo and the chaos load are written once against them.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +20,52 @@ import numpy as np
 from kvstore.errors import InvalidArgument
 from kvstore.hitplan import MODES, STANDARD, HitPlan
 from kvstore.keys import BlockKey, words_to_keys
+
+#: Longest model fingerprint a layout may carry (an engine's is 32 bytes, a preset's ~400).
+MAX_FINGERPRINT_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The byte shape of one model's cache as an engine lays it out: the fingerprint its block
+    keys are chained from, the exact size of one block's payload and of one SWA state.
+
+    A tier serves many models: each request may name the layout it is made under, and the tier
+    keeps each layout's blocks and states in a namespace of their own (``salt``), so under one
+    layout every block has that layout's size and a payload of another size is refused before
+    anything is stored. The sizes are part of the layout's identity: two engines that disagree
+    on a size never share a block, whatever their fingerprints say. A request that names no
+    layout is made under the tier's own (its geometry's fingerprint and sizes).
+    """
+
+    fingerprint: bytes
+    block_bytes: int
+    #: 0: this layout keeps no SWA state.
+    state_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fingerprint, bytes) or not (
+            0 < len(self.fingerprint) <= MAX_FINGERPRINT_BYTES
+        ):
+            raise InvalidArgument(
+                "layout.fingerprint", f"must be 1 to {MAX_FINGERPRINT_BYTES} bytes"
+            )
+        for name, least in (("block_bytes", 1), ("state_bytes", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InvalidArgument(
+                    f"layout.{name}", f"must be an integer ≥ {least}, got {value!r}"
+                )
+
+    @property
+    def identity(self) -> bytes:
+        """32 bytes naming the fingerprint and both sizes."""
+        blob = b"%d:%d:" % (self.block_bytes, self.state_bytes) + self.fingerprint
+        return hashlib.blake2b(blob, digest_size=32, person=b"kvstore-layout").digest()
+
+    def salt(self, base: bytes) -> bytes:
+        """The namespace of this layout inside the namespace ``base`` (a tenant's salt)."""
+        return hmac.new(base, b"layout:" + self.identity, hashlib.sha256).digest()
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,6 +80,8 @@ class HitRequest:
     mode: str = STANDARD
     traffic_class: str = ""
     take_lease: bool = True
+    #: The layout the keys are made under (None: the tier's own).
+    layout: Layout | None = None
 
     def __post_init__(self) -> None:
         if (self.token_ids is None) == (self.block_keys is None):

@@ -34,7 +34,15 @@ from kvstore.keys import block_key_words, check_key, check_keys, key_words, word
 from kvstore.tenants import MAX_TENANT_LEASES, Tenant, namespaced, namespaced_key
 from kvstore.tier.leases import LeaseTable
 from kvstore.tier.protocols import AsyncHitSource, Tier
-from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, StateRead, Stats
+from kvstore.tier.records import (
+    BlockRead,
+    HitAnswer,
+    HitRequest,
+    Layout,
+    PutAnswer,
+    StateRead,
+    Stats,
+)
 
 #: Open leases one tenant may hold when the operator set no ``max_leases`` (the tier's table
 #: holds 100,000: ten tenants at their cap still fit).
@@ -85,6 +93,8 @@ class TenantView:
         self.model_fingerprint = tier.model_fingerprint
         self.state_size = tier.state_size
         self.block_bytes = tier.block_bytes
+        #: The layout of a request that names none: the tier's own.
+        self.default_layout = Layout(tier.model_fingerprint, tier.block_bytes, tier.state_size)
         self._async = tier if isinstance(tier, AsyncHitSource) else None
         self._lease_seconds = lease_seconds
         self._foreign_leases = foreign_leases
@@ -175,15 +185,17 @@ class TenantView:
                     f"tenant {tenant.name!r} holds {cap} leases (its cap): read or release "
                     "some first"
                 )
+        layout = self.layout(request.layout)
         if request.token_ids is not None:
-            words = block_key_words(self.model_fingerprint, request.token_ids)
+            words = block_key_words(layout.fingerprint, request.token_ids)
         else:
             words = key_words(request.block_keys, "block_keys")  # type: ignore[arg-type]
-        shared = namespaced(tenant.shared_salt, words) if tenant.reads_shared else None
+        own_salt, shared_salt = self._salts(layout)
+        shared = namespaced(shared_salt, words) if tenant.reads_shared else None
         return _Asked(
-            dataclasses.replace(request, traffic_class=traffic_class),
+            dataclasses.replace(request, traffic_class=traffic_class, layout=None),
             words,
-            namespaced(tenant.salt, words),
+            namespaced(own_salt, words),
             shared,
         )
 
@@ -218,20 +230,26 @@ class TenantView:
     # --- TierReader ----------------------------------------------------------------------------
 
     def get_blocks(
-        self, keys: Sequence[bytes], lease_id: str | None = None, *, keep_lease: bool = False
+        self,
+        keys: Sequence[bytes],
+        lease_id: str | None = None,
+        *,
+        keep_lease: bool = False,
+        layout: Layout | None = None,
     ) -> list[BlockRead]:
         checked = check_keys(keys, "keys")
         tenant = self.tenant
+        own_salt, shared_salt = self._salts(self.layout(layout))
         lease = None
         if lease_id:
             lease = self._leases.peek(lease_id) if keep_lease else self._leases.take(lease_id)
         if lease_id and lease is None and not self._foreign_leases:
             raise LeaseError(f"lease {lease_id!r} is unknown or has expired; query again")
         shared_of = lease.shared if lease is not None else frozenset()
-        own = namespaced(tenant.salt, key_words(checked)) if checked else np.empty((0, 4))
+        own = namespaced(own_salt, key_words(checked)) if checked else np.empty((0, 4))
         stored = words_to_keys(own)
         if shared_of:
-            shared = words_to_keys(namespaced(tenant.shared_salt, key_words(checked)))
+            shared = words_to_keys(namespaced(shared_salt, key_words(checked)))
             stored = [
                 s if k in shared_of else o for k, o, s in zip(checked, stored, shared, strict=True)
             ]
@@ -241,7 +259,7 @@ class TenantView:
             # a shared one.
             missing = [i for i, read in enumerate(reads) if not read.found]
             if missing:
-                words = namespaced(tenant.shared_salt, key_words([checked[i] for i in missing]))
+                words = namespaced(shared_salt, key_words([checked[i] for i in missing]))
                 for i, read in zip(
                     missing, self._tier.get_blocks(words_to_keys(words)), strict=True
                 ):
@@ -251,12 +269,18 @@ class TenantView:
             dataclasses.replace(read, key=key) for key, read in zip(checked, reads, strict=True)
         ]
 
-    def get_swa_state(self, key: bytes, position: int) -> StateRead:
+    def get_swa_state(
+        self, key: bytes, position: int, *, layout: Layout | None = None
+    ) -> StateRead:
         key = check_key(key)
-        tenant = self.tenant
-        read = self._tier.get_swa_state(namespaced_key(tenant.salt, key), position)
-        if read.state is None and tenant.reads_shared:
-            shared = self._tier.get_swa_state(namespaced_key(tenant.shared_salt, key), position)
+        chosen = self.layout(layout)
+        size = self._state_size(chosen)
+        own_salt, shared_salt = self._salts(chosen)
+        read = self._tier.get_swa_state(namespaced_key(own_salt, key), position, state_bytes=size)
+        if read.state is None and self.tenant.reads_shared:
+            shared = self._tier.get_swa_state(
+                namespaced_key(shared_salt, key), position, state_bytes=size
+            )
             if shared.state is not None:
                 return shared
         return read
@@ -270,23 +294,26 @@ class TenantView:
         traffic_class: str = "",
         *,
         shared: bool = False,
+        layout: Layout | None = None,
     ) -> PutAnswer:
         """Write blocks into the tenant's namespace (``shared``: into the shared one, for the
-        trusted writer role). Every payload must be exactly one block of the model's preset."""
+        trusted writer role) under ``layout`` (None: the tier's own). Every payload must be
+        exactly one block of that layout."""
         checked = check_keys(keys, "keys")
         if len(payloads) != len(checked):
             raise InvalidArgument("payloads", f"{len(payloads)} payloads for {len(checked)} keys")
         name = self._traffic_class(traffic_class)
-        size = self.block_bytes
+        chosen = self.layout(layout)
+        size = chosen.block_bytes
         for index, payload in enumerate(payloads):
             if len(payload) != size:
                 raise InvalidArgument(
                     f"payloads[{index}]",
-                    f"must be one block of this model's preset ({size} bytes), got {len(payload)}",
+                    f"must be one block of its layout ({size} bytes), got {len(payload)}",
                 )
         if len(set(checked)) != len(checked):
             raise InvalidArgument("keys", "a key is given twice in one put")
-        salt = self._salt_to_write(shared)
+        salt = self._salt_to_write(shared, chosen)
         incoming = size * len(checked)
         self._check_bytes_quota(incoming)
         stored = words_to_keys(namespaced(salt, key_words(checked))) if checked else []
@@ -310,10 +337,26 @@ class TenantView:
         machine: str | None = None,
         *,
         shared: bool = False,
+        layout: Layout | None = None,
     ) -> str:
-        salt = self._salt_to_write(shared)
+        """Store a state under ``layout`` (None: the tier's own): exactly its state size."""
+        chosen = self.layout(layout)
+        if len(state) != chosen.state_bytes:
+            held = (
+                "keeps no SWA state"
+                if chosen.state_bytes == 0
+                else (f"takes states of exactly {chosen.state_bytes} bytes")
+            )
+            raise InvalidArgument(
+                "state", f"its layout {held}; got {len(state)} bytes at position {position}"
+            )
+        salt = self._salt_to_write(shared, chosen)
         return self._tier.put_swa_state(
-            namespaced_key(salt, check_key(key)), position, state, machine
+            namespaced_key(salt, check_key(key)),
+            position,
+            state,
+            machine,
+            state_bytes=self._state_size(chosen),
         )
 
     # --- figures -------------------------------------------------------------------------------
@@ -366,13 +409,30 @@ class TenantView:
         except PermissionError as error:
             raise Forbidden(str(error)) from None
 
-    def _salt_to_write(self, shared: bool) -> bytes:
+    def layout(self, layout: Layout | None) -> Layout:
+        """The layout a request is made under (one that names none: the tier's own)."""
+        return self.default_layout if layout is None else layout
+
+    def _salts(self, layout: Layout) -> tuple[bytes, bytes]:
+        """(own, shared) namespaces of ``layout``: the tenant's own for the tier's layout (so
+        what was stored before layouts existed is found), one per layout inside it otherwise."""
         tenant = self.tenant
+        if layout == self.default_layout:
+            return tenant.salt, tenant.shared_salt
+        return layout.salt(tenant.salt), layout.salt(tenant.shared_salt)
+
+    def _state_size(self, layout: Layout) -> int | None:
+        """The state size to hand the tier (None: its own)."""
+        return None if layout == self.default_layout else layout.state_bytes
+
+    def _salt_to_write(self, shared: bool, layout: Layout) -> bytes:
+        tenant = self.tenant
+        own, shared_salt = self._salts(layout)
         if not shared:
-            return tenant.salt
+            return own
         if tenant.shared != "write":
             raise Forbidden(f"tenant {tenant.name!r} may not write the shared namespace")
-        return tenant.shared_salt
+        return shared_salt
 
     def _check_bytes_quota(self, incoming: int) -> None:
         tenant = self.tenant

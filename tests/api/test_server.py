@@ -22,7 +22,7 @@ from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidArgument
 from kvstore.keys import block_keys
 from kvstore.runtime.service import RunningService, embedded_service
-from kvstore.tier.records import HitRequest
+from kvstore.tier.records import HitRequest, Layout
 
 TOKEN = "test-token-0123456789"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -313,3 +313,37 @@ def test_tls_server_round_trips(ray_cluster, tmp_path: Path, running: RunningSer
                 plaintext.stats()
     finally:
         gateway.stop()
+
+
+def test_a_model_layout_of_its_own_round_trips_and_its_sizes_are_enforced(
+    running: RunningService,
+) -> None:
+    """Block sizes belong to a model layout (the ``Layout`` message), not to the tier: a client
+    made with a layout puts, finds and reads its blocks and states; its keys are not the tier's
+    own; a payload or state of another size, or a malformed layout, is INVALID_ARGUMENT."""
+    layout = Layout(b"another-model".ljust(32, b"."), block_bytes=3000, state_bytes=500)
+    tokens = np.random.default_rng(11).integers(0, 10_000, 3 * 128 + 1)
+    keys = [bytes(k) for k in block_keys(layout.fingerprint, tokens)]
+    with KVStoreClient(running.address, token=TOKEN, layout=layout) as mine:
+        assert mine.put_blocks(keys, [bytes([7]) * 3000] * 3).committed == 3
+        mine.put_swa_state(keys[2], 384, bytes([9]) * 500)
+        answer = mine.query_hit(HitRequest(token_ids=tokens, mode="exact-window", take_lease=True))
+        assert answer.plan.hit_tokens == 384 and answer.swa_owner is not None
+        reads = mine.get_blocks(list(answer.hit_block_keys), lease_id=answer.lease_id)
+        assert [r.payload for r in reads] == [bytes([7]) * 3000] * 3
+        assert mine.get_swa_state(keys[2], 384).state == bytes([9]) * 500
+        for call in (
+            lambda: mine.put_blocks(keys[:1], [bytes(2999)]),
+            lambda: mine.put_swa_state(keys[1], 256, bytes(501)),
+        ):
+            with pytest.raises(grpc.RpcError) as caught:
+                call()
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with KVStoreClient(running.address, token=TOKEN) as own:  # the tier's own layout
+        assert [r.payload for r in own.get_blocks(keys)] == [None] * 3
+    with grpc.insecure_channel(running.address) as channel:
+        bad = pb.GetBlocksRequest(keys=keys[:1], layout=pb.Layout(fingerprint=b"x", block_bytes=0))
+        with pytest.raises(grpc.RpcError) as caught:
+            list(pb_grpc.KVStoreStub(channel).GetBlocks(bad, metadata=AUTH))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "layout.block_bytes" in (caught.value.details() or "")

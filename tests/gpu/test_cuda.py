@@ -15,7 +15,8 @@ from kvstore.gpu.fetcher import Fetcher, FileGate
 from kvstore.gpu.pools import DevicePools
 from kvstore.gpu.save import Saver, SaveSpec, StateSave
 from kvstore.gpu.swapin import LoadTarget, SwapIn
-from kvstore.integrations.paged import PagedScheduler, PagedWorker
+from kvstore.integrations.scheduler import PagedScheduler
+from kvstore.integrations.worker import PagedWorker
 from kvstore.keys import block_keys
 from kvstore.tier.files import DirectoryTier
 

@@ -9,7 +9,9 @@ import sys
 MODULES = [
     "kvstore.cli",
     "kvstore.gpu",
-    "kvstore.integrations.paged",
+    "kvstore.integrations.scheduler",
+    "kvstore.integrations.worker",
+    "kvstore.integrations.groups",
     "kvstore.integrations.settings",
     "kvstore.integrations.tiny_model",
     "kvstore.gpu.fetcher",

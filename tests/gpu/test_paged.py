@@ -1,4 +1,4 @@
-"""The engine-neutral connector core (``kvstore.integrations.paged``) without an engine.
+"""The connector core (``kvstore.integrations.scheduler``, ``.worker``) without an engine.
 
 Two "engines" are two sets of per-layer KV tensors shaped like vLLM's CPU cache
 (``[num_blocks, kv_heads, 128, 2 × head_size]``); the tier is real checksummed files
@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from kvstore.api.client import KVStoreClient
-from kvstore.integrations.paged import PagedScheduler, PagedWorker, StepPlan
+from kvstore.integrations.plan import StepPlan
+from kvstore.integrations.scheduler import PagedScheduler
+from kvstore.integrations.worker import PagedWorker
 from kvstore.keys import BLOCK_TOKENS
 from kvstore.tier.files import DirectoryTier
 

@@ -180,7 +180,11 @@ def test_a_restarted_storage_node_serves_its_shards_again(tier: Tier) -> None:
         before = ray.get(handle.incarnation.remote(), timeout=30)
         tier.handles.kill_node(node, restart=True)
         _wait_for(lambda: _restarted(handle, before), 60, "node restart")
-        assert ray.get(handle.holds.remote(keys), timeout=30) == held
+        # Every shard it held it holds again. (Not "exactly those": a put returns once
+        # min_write_shards nodes acknowledged, so a commit mark still on its way to a slow node
+        # can land after the snapshot above: seen here once, node 3 gaining one committed shard.)
+        again = ray.get(handle.holds.remote(keys), timeout=30)
+        assert [a for a, b in zip(again, held, strict=True) if b] == [True] * sum(held)
         tier.assert_all_exact()
     finally:
         ray.get(tier.handles.repair.pause.remote(False), timeout=30)

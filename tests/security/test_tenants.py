@@ -79,7 +79,7 @@ def test_a_payload_that_is_not_one_block_is_refused(
         with pytest.raises(grpc.RpcError) as error:
             stub.PutBlocks(iter([request]), metadata=tenants.auth("alice"))
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert f"blocks[0].payload: must be one block of this model's preset ({BLOCK} bytes)" in (
+        assert f"blocks[0].payload: must be one block of its layout ({BLOCK} bytes)" in (
             error.value.details() or ""
         )
 

@@ -16,9 +16,10 @@ def settings(**extra: object) -> ConnectorSettings:
     return ConnectorSettings.from_extra_config({"address": "127.0.0.1:50051", **extra})
 
 
-def test_only_the_address_is_needed_and_the_defaults_fit_a_dense_model() -> None:
+def test_only_the_address_is_needed_and_the_hit_mode_is_the_models() -> None:
     s = settings()
-    assert s.hit_mode == "full-attention" and s.load and s.save and s.token() is None
+    # No hit mode: the connector takes the one the model's KV-cache groups need.
+    assert s.hit_mode is None and s.load and s.save and s.token() is None
 
 
 @pytest.mark.parametrize(

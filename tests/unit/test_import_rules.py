@@ -134,5 +134,8 @@ def test_only_the_connector_imports_vllm() -> None:
     }
     assert vllm_importers(sources) == []
     lazy = "def f():\n    from vllm import LLM\n    return LLM\n"
-    broken = {**sources, "kvstore.integrations.paged": sources["kvstore.integrations.paged"] + lazy}
-    assert vllm_importers(broken) == ["kvstore.integrations.paged"]
+    broken = {
+        **sources,
+        "kvstore.integrations.worker": sources["kvstore.integrations.worker"] + lazy,
+    }
+    assert vllm_importers(broken) == ["kvstore.integrations.worker"]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from tier_parts import GEOMETRY, InProcessTier
 
+import kvstore.api.servicer as servicer_module
 from kvstore.api.client import KVStoreClient
 from kvstore.api.gateway import Gateway
 from kvstore.api.server import ServerOptions
@@ -74,7 +75,9 @@ class ScriptedTier:
             for i, key in enumerate(keys)
         ]
 
-    def get_swa_state(self, key: bytes, position: int) -> StateRead:
+    def get_swa_state(
+        self, key: bytes, position: int, *, state_bytes: int | None = None
+    ) -> StateRead:
         self._enter("get_swa_state", key=key, position=position)
         if position == 128:
             return StateRead(b"s" * STATE, owner="m2")
@@ -92,10 +95,22 @@ class ScriptedTier:
         )
 
     def put_swa_state(
-        self, key: bytes, position: int, state: bytes, machine: str | None = None
+        self,
+        key: bytes,
+        position: int,
+        state: bytes,
+        machine: str | None = None,
+        *,
+        state_bytes: int | None = None,
     ) -> str:
         self._enter("put_swa_state", key=key, position=position, machine=machine)
         return machine or "m0"
+
+    #: IP address → machine (``machine_at``): none known unless a test says so.
+    addresses: dict[str, str] = field(default_factory=dict)
+
+    def machine_at(self, address: str) -> str | None:
+        return self.addresses.get(address)
 
     def stats(self) -> Stats:
         self._enter("stats")
@@ -229,6 +244,12 @@ def test_swa_states_lease_release_and_stats(scripted) -> None:  # type: ignore[n
         pb.PutSWAStateRequest(key=key, position=256, state=b"s" * STATE), metadata=AUTH
     )
     assert tier.calls[-1][1]["machine"] is None
+    # A put that names no machine, from one of the tier's machines: kept on that machine.
+    tier.addresses = {"127.0.0.1": "m7"}
+    stub.PutSWAState(
+        pb.PutSWAStateRequest(key=key, position=256, state=b"s" * STATE), metadata=AUTH
+    )
+    assert tier.calls[-1][1]["machine"] == "m7"
     found = stub.GetSWAState(pb.GetSWAStateRequest(key=key, position=128), metadata=AUTH)
     assert found.found and found.owner == "m2" and len(found.state) == STATE
     missing = stub.GetSWAState(pb.GetSWAStateRequest(key=key, position=256), metadata=AUTH)
@@ -422,3 +443,11 @@ def test_the_servicer_in_front_of_the_in_process_cluster(tmp_path) -> None:  # t
             assert stats.classes["agent"]["lookups"] == 2 and stats.extra["open_leases"] == 0
     finally:
         gateway.stop()
+
+
+@pytest.mark.parametrize(
+    ("peer", "host"),
+    [("ipv4:198.19.128.5:40211", "198.19.128.5"), ("ipv6:[::1]:5000", "::1"), ("unix:/x", "")],
+)
+def test_the_peers_host_is_read_from_grpcs_peer_string(peer: str, host: str) -> None:
+    assert servicer_module._peer_host(peer) == host

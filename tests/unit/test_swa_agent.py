@@ -34,7 +34,7 @@ class World:
             s: DirectoryShard(s, owner_timeout_s=100, clock=self.clock) for s in self.map.ids
         }
         store = SWAStore(
-            state_bytes=STATE,
+            max_state_bytes=STATE,
             capacity_bytes=capacity_states * STATE,
             ttl_s=ttl_s,
             clock=self.clock,

@@ -24,7 +24,7 @@ def blob(fill: int, size: int = STATE) -> np.ndarray:
 def make(capacity_states: int = 3, ttl_s: float = 60.0) -> tuple[SWAStore, ManualClock]:
     clock = ManualClock()
     store = SWAStore(
-        state_bytes=STATE, capacity_bytes=capacity_states * STATE, ttl_s=ttl_s, clock=clock
+        max_state_bytes=STATE, capacity_bytes=capacity_states * STATE, ttl_s=ttl_s, clock=clock
     )
     return store, clock
 
@@ -32,7 +32,7 @@ def make(capacity_states: int = 3, ttl_s: float = 60.0) -> tuple[SWAStore, Manua
 def test_real_geometry_state_round_trips_bit_exact_and_is_owned_by_the_store() -> None:
     size = GeometryConfig.default().state_size_to_disk
     assert size == 1_415_040
-    store = SWAStore(state_bytes=size, capacity_bytes=2 * size, ttl_s=60, clock=ManualClock())
+    store = SWAStore(max_state_bytes=size, capacity_bytes=2 * size, ttl_s=60, clock=ManualClock())
     source = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
     original = source.copy()
     assert store.put(key(1), 384, source) == []
@@ -44,16 +44,32 @@ def test_real_geometry_state_round_trips_bit_exact_and_is_owned_by_the_store() -
     assert store.position(key(1)) == 384
 
 
-@pytest.mark.parametrize("size", [STATE - 1, STATE + 1, 0])
-def test_wrong_size_is_rejected_naming_size_and_position(size: int) -> None:
+@pytest.mark.parametrize("size", [STATE + 1, 0])
+def test_a_state_past_the_largest_or_empty_is_rejected_naming_size_and_position(size: int) -> None:
     store, _ = make()
     with pytest.raises(StateRejected) as caught:
         store.put(key(1), 256, np.zeros(size, dtype=np.uint8))
     message = str(caught.value)
     assert caught.value.argument == "blob"
     assert f"{size} B" in message and "position 256" in message
-    assert f"exactly {STATE} B" in message and "p % 128 == 0" in message
+    assert f"at most {STATE} B" in message and "p % 128 == 0" in message
     assert len(store) == 0
+
+
+def test_states_of_several_layouts_share_the_pool_by_their_bytes() -> None:
+    # A pool serves every model's layout: its capacity counts bytes, not states.
+    store, _ = make(capacity_states=2)
+    store.put(key(1), 128, blob(1, STATE // 2))
+    store.put(key(2), 256, blob(2, STATE // 2))
+    store.put(key(3), 384, blob(3))
+    assert store.used_bytes == 2 * STATE and len(store) == 3
+    # A whole state more pushes out the two oldest (least recently used) halves.
+    assert store.put(key(4), 512, blob(4)) == [key(1), key(2)]
+    assert store.used_bytes == 2 * STATE
+    got = store.get(key(3))
+    assert got is not None and got.size == STATE
+    store.delete(key(3))
+    assert store.used_bytes == STATE
 
 
 @pytest.mark.parametrize("position", [0, -128, 130, 127, 1.0 * 128, True, "128"])
@@ -135,11 +151,11 @@ def test_ttl_counts_from_last_access() -> None:
 
 def test_capacity_must_hold_one_state() -> None:
     with pytest.raises(ConfigError, match="capacity_bytes"):
-        SWAStore(state_bytes=STATE, capacity_bytes=STATE - 1, ttl_s=1, clock=ManualClock())
+        SWAStore(max_state_bytes=STATE, capacity_bytes=STATE - 1, ttl_s=1, clock=ManualClock())
     with pytest.raises(ConfigError, match="ttl_s"):
-        SWAStore(state_bytes=STATE, capacity_bytes=STATE, ttl_s=0, clock=ManualClock())
-    with pytest.raises(ConfigError, match="state_bytes"):
-        SWAStore(state_bytes=0, capacity_bytes=STATE, ttl_s=1, clock=ManualClock())
+        SWAStore(max_state_bytes=STATE, capacity_bytes=STATE, ttl_s=0, clock=ManualClock())
+    with pytest.raises(ConfigError, match="max_state_bytes"):
+        SWAStore(max_state_bytes=0, capacity_bytes=STATE, ttl_s=1, clock=ManualClock())
 
 
 def test_delete_reports_removal() -> None:

@@ -286,3 +286,39 @@ def test_result_is_json_ready() -> None:
     text = json.dumps(data)
     assert '"swa_owner": {"machine_id": "m1"' in text
     assert data["plan"]["hit_tokens"] == 768 and data["advice"]["choice"] in ("fetch", "replay")
+
+
+# --- exact-window mode (an engine with exact sliding-window attention: vLLM's hybrid models) ---
+
+
+def test_exact_window_hits_l1_within_an_engine_cap_when_its_state_is_there() -> None:
+    # L = 1000, cap L − 1 = 999 → all 7 full blocks; the state at L1 = 896 is asked first.
+    query, blocks, states, keys = setup(1000, 7, {896: M1, 512: M0})
+    result = query.query_hit(keys, 1000, "exact-window")
+    plan = result.plan
+    assert (plan.cap, plan.block_hit_tokens, plan.hit_tokens) == (999, 896, 896)
+    assert plan.swa_hit and plan.swa_position == 896 and result.swa_owner == M1
+    assert blocks.asked == [7]
+    assert states.asked == [(keys[6], 896, "m0")]  # found at once: nothing below is asked
+
+
+def test_exact_window_takes_the_highest_position_below_l1_whose_state_exists() -> None:
+    query, _, states, keys = setup(1000, 7, {256: M1, 512: M0})
+    result = query.query_hit(keys, 1000, "exact-window")
+    plan = result.plan
+    assert (plan.block_hit_tokens, plan.hit_tokens, plan.compute_from) == (896, 512, 512)
+    assert plan.swa_hit and plan.swa_position == 512
+    assert result.swa_owner == M0 and result.swa_key == keys[3]
+    assert words_to_keys(result.hit_words) == keys[:4]
+    # L1 first, then every boundary below it in one round.
+    assert [p for _, p, _ in states.asked] == [896, 768, 640, 512, 384, 256, 128]
+
+
+def test_exact_window_with_no_state_at_all_is_a_miss_never_an_approximate_hit() -> None:
+    query, _, _, keys = setup(1000, 7, {})
+    result = query.query_hit(keys, 1000, "exact-window")
+    plan = result.plan
+    assert (plan.block_hit_tokens, plan.hit_tokens, plan.compute_from) == (896, 0, 0)
+    assert not plan.swa_hit and (plan.replay_start, plan.replay_tokens) == (None, 0)
+    assert "exact attention needs the window" in plan.reason
+    assert result.hit_words.shape[0] == 0

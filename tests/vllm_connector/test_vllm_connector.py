@@ -32,17 +32,14 @@ from vllm_harness import (  # noqa: E402
     PROMPTS,
     assert_same_outputs,
     child_env,
+    damage_prompts,
     hits,
     run_engine,
     tokens,
 )
 
 from kvstore.api.client import KVStoreClient  # noqa: E402
-from kvstore.blockstore.segments import find_shard_records  # noqa: E402
-from kvstore.integrations.tiny_model import TinyLlama, build_tiny_llama  # noqa: E402
-from kvstore.keys import block_keys  # noqa: E402
 from kvstore.runtime.upprocess import TierProcess  # noqa: E402
-from kvstore.tenants import DEFAULT_TENANT, namespaced_key, salts  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -68,18 +65,6 @@ def test_a_fresh_engine_takes_the_prefix_from_kvstore_and_computes_the_same(
     assert_same_outputs(b, baseline, "engine B")
 
 
-def shard_records(tier: TierProcess, key: bytes) -> list[tuple[str, int, int]]:
-    """Where one block's 12 shards are in the nodes' segment files (the key as the default
-    tenant's namespace stores it): (file, record offset, record bytes) each."""
-    secret = (tier.data_dir / "tenant.secret").read_bytes()
-    stored = namespaced_key(salts(secret, DEFAULT_TENANT)[0], key)
-    return [
-        record
-        for node_dir in sorted(tier.data_dir.glob("node-*"))
-        for record in find_shard_records(node_dir, stored)
-    ]
-
-
 def test_a_misspelt_setting_stops_the_engine_at_start_and_names_the_key(
     tiny_model, running_tier, tmp_path
 ) -> None:
@@ -87,18 +72,6 @@ def test_a_misspelt_setting_stops_the_engine_at_start_and_names_the_key(
     failed = run_engine(tiny_model, PROMPTS[:1], bad, tmp=tmp_path, expect_failure=True)
     assert "kv_connector_extra_config.lookup_timout_s" in failed["stderr"]
     assert "is not a key of kv_connector_extra_config" in failed["stderr"]
-
-
-def test_an_engine_whose_blocks_the_tier_does_not_take_stops_at_start_saying_the_size(
-    running_tier, tmp_path
-) -> None:
-    other = build_tiny_llama(tmp_path / "three-layers", TinyLlama(layers=3))
-    failed = run_engine(
-        other, PROMPTS[:1], connector_config(running_tier), tmp=tmp_path, expect_failure=True
-    )
-    wanted = TinyLlama(layers=3).block_bytes()
-    assert f"stores blocks of {BLOCK_BYTES} B" in failed["stderr"]
-    assert f"kvstore up --block-bytes {wanted}" in failed["stderr"]
 
 
 def test_blocks_corrupted_beyond_repair_are_recomputed_and_the_output_still_matches(
@@ -109,19 +82,7 @@ def test_blocks_corrupted_beyond_repair_are_recomputed_and_the_output_still_matc
     clean = run_engine(tiny_model, prompts, None, tmp=tmp_path)
     a = run_engine(tiny_model, prompts, connector_config(running_tier), tmp=tmp_path)
     assert_same_outputs(a, clean, "engine A")
-    damaged = 0
-    for prompt in prompts:
-        full = (len(prompt) - 1) // 128
-        for key in block_keys(bytes.fromhex(a["fingerprint"]), prompt[: full * 128]):
-            records = shard_records(running_tier, key)
-            assert len(records) == 12, f"block {key.hex()[:12]}: {len(records)} shard records"
-            for path, offset, size in records[:3]:  # 3 of 12: more than the 2 10+2 survives
-                with open(path, "r+b") as segment:  # in place, in the middle of the shard
-                    segment.seek(offset + size // 2)
-                    byte = segment.read(1)[0]
-                    segment.seek(offset + size // 2)
-                    segment.write(bytes([byte ^ 0xFF]))
-            damaged += 1
+    damaged = damage_prompts(running_tier, a, prompts)
     b = run_engine(tiny_model, prompts, connector_config(running_tier), tmp=tmp_path)
     assert_same_outputs(b, clean, "engine B after corruption")
     # The first read after the damage: every planned block failed, and none was copied in.

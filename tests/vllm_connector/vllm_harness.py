@@ -1,7 +1,7 @@
 """Helpers of the vLLM connector tests: a real ``kvstore up``, a fresh engine process.
 
 - ``start_tier``: a real ``kvstore up`` in its own process (embedded local Ray cluster, gRPC on
-  port 0, 127.0.0.1), accepting the tiny model's 128 KiB blocks (``--block-bytes``).
+  port 0, 127.0.0.1); no size flag: each engine's connector names its model's layout.
 - ``run_engine``: one vLLM engine in a fresh process (``python -m
   kvstore.integrations.vllm_run``), its results as JSON.
 
@@ -17,10 +17,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstore.blockstore.segments import find_shard_records
 from kvstore.childenv import child_env as kvstore_child_env
+from kvstore.integrations.tiny_gemma import TinyGemma3
 from kvstore.integrations.tiny_model import TinyLlama
 from kvstore.integrations.vllm_run import fresh_engine
+from kvstore.keys import block_keys
 from kvstore.runtime.upprocess import TierProcess
+from kvstore.tenants import DEFAULT_TENANT, namespaced_key, salts
+from kvstore.tier.records import Layout
 
 SHAPE = TinyLlama()
 BLOCK_BYTES = SHAPE.block_bytes()
@@ -39,9 +44,7 @@ def start_tier(data_dir: Path, log: Path) -> TierProcess:
     tier's back and needs the engine, not a scrub pass that may come first (a small tier's
     shards are all verified within a second at the default rate), to meet the damage."""
     env = dict(child_env(), KVSTORE_BLOCKSTORE_SCRUB_BYTES_PER_S="0")
-    return TierProcess.start(
-        data_dir, "--block-bytes", str(BLOCK_BYTES), "--fsync", "never", env=env, log=log
-    )
+    return TierProcess.start(data_dir, "--fsync", "never", env=env, log=log)
 
 
 def run_engine(
@@ -56,17 +59,19 @@ def run_engine(
     expect_failure: bool = False,
     prefix: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Serve ``prompts`` one after another in a fresh engine process; its results (with
     ``expect_failure``: the engine must fail, and its ``stderr`` is all there is). ``prefix``
     goes before its command (``ip netns exec HOST``: on a testbed host), ``env`` is added to
-    its environment."""
+    its environment; ``extra``: more of ``vllm_run``'s spec (``prefix_caching``, ...)."""
     spec = {
         "model": str(model),
         "prompts": prompts,
         "connector": connector,
         "multiprocessing": multiprocessing,
         "max_tokens": max_tokens,
+        **(extra or {}),
     }
     done = fresh_engine(
         spec, tmp, env={**child_env(), **(env or {})}, timeout_s=timeout, prefix=prefix
@@ -98,12 +103,66 @@ PROMPTS = [prompt for prompt, _ in CASES]
 EXPECTED = [hit for _, hit in CASES]
 
 
+HYBRID_SHARED = tokens(600)
+#: The hybrid model's prompts: below one block, whole blocks, whole blocks + 1, two sharing 600
+#: tokens; and what vLLM's own prefix cache reuses of each when it served them all before (the
+#: window must be there: whole blocks up to the prompt's store position).
+HYBRID_CASES = [
+    (tokens(100), 0),
+    (tokens(512), 384),
+    (tokens(513), 512),
+    (HYBRID_SHARED + tokens(100), 640),
+    (HYBRID_SHARED + tokens(300), 896),
+]
+HYBRID_PROMPTS = [prompt for prompt, _ in HYBRID_CASES]
+HYBRID_EXPECTED = [hit for _, hit in HYBRID_CASES]
+#: 6 layers (3 sliding, 3 full): blocks of 3 layers, not the tiny Llama's 2, so that the two
+#: models sharing one tier differ in block size.
+GEMMA = TinyGemma3(layers=6)
+
+
 def assert_same_outputs(got: dict, want: dict, what: str) -> None:
     for index, (mine, theirs) in enumerate(zip(got["results"], want["results"], strict=True)):
         assert mine["tokens"] == theirs["tokens"], f"{what}: prompt {index} tokens differ"
         assert mine["logprobs"] == pytest.approx(theirs["logprobs"], abs=1e-4), (
             f"{what}: prompt {index} logprobs differ"
         )
+
+
+def shard_records(tier: TierProcess, engine: dict, key: bytes) -> list[tuple[str, int, int]]:
+    """Where one block's 12 shards are in the nodes' segment files (the key as the default
+    tenant's namespace for ``engine``'s layout stores it): (file, record offset, bytes) each."""
+    secret = (tier.data_dir / "tenant.secret").read_bytes()
+    layout = Layout(
+        bytes.fromhex(engine["fingerprint"]),
+        engine["layout"]["block_bytes"],
+        engine["layout"]["state_bytes"],
+    )
+    stored = namespaced_key(layout.salt(salts(secret, DEFAULT_TENANT)[0]), key)
+    return [
+        record
+        for node_dir in sorted(tier.data_dir.glob("node-*"))
+        for record in find_shard_records(node_dir, stored)
+    ]
+
+
+def damage_prompts(tier: TierProcess, engine: dict, prompts: list[list[int]]) -> int:
+    """Flip a byte in 3 of the 12 shards (more than 10+2 survives) of every full block of
+    ``prompts`` that ``engine`` saved; returns the blocks damaged."""
+    damaged = 0
+    for prompt in prompts:
+        full = (len(prompt) - 1) // 128
+        for key in block_keys(bytes.fromhex(engine["key_fingerprint"]), prompt[: full * 128]):
+            records = shard_records(tier, engine, key)
+            assert len(records) == 12, f"block {key.hex()[:12]}: {len(records)} shard records"
+            for path, offset, size in records[:3]:
+                with open(path, "r+b") as segment:  # in place, in the middle of the shard
+                    segment.seek(offset + size // 2)
+                    byte = segment.read(1)[0]
+                    segment.seek(offset + size // 2)
+                    segment.write(bytes([byte ^ 0xFF]))
+            damaged += 1
+    return damaged
 
 
 def hits(result: dict) -> list[int]:

@@ -13,6 +13,7 @@ class HitMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HIT_MODE_STANDARD: _ClassVar[HitMode]
     HIT_MODE_BOUNDED_REPLAY: _ClassVar[HitMode]
     HIT_MODE_FULL_ATTENTION: _ClassVar[HitMode]
+    HIT_MODE_EXACT_WINDOW: _ClassVar[HitMode]
 
 class Advice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,12 +24,23 @@ HIT_MODE_UNSPECIFIED: HitMode
 HIT_MODE_STANDARD: HitMode
 HIT_MODE_BOUNDED_REPLAY: HitMode
 HIT_MODE_FULL_ATTENTION: HitMode
+HIT_MODE_EXACT_WINDOW: HitMode
 ADVICE_UNSPECIFIED: Advice
 ADVICE_FETCH: Advice
 ADVICE_REPLAY: Advice
 
+class Layout(_message.Message):
+    __slots__ = ("fingerprint", "block_bytes", "state_bytes")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: bytes
+    block_bytes: int
+    state_bytes: int
+    def __init__(self, fingerprint: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+
 class QueryHitRequest(_message.Message):
-    __slots__ = ("token_ids", "block_keys", "prompt_len", "mode", "traffic_class", "take_lease", "block_keys_packed")
+    __slots__ = ("token_ids", "block_keys", "prompt_len", "mode", "traffic_class", "take_lease", "block_keys_packed", "layout")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +48,7 @@ class QueryHitRequest(_message.Message):
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     TAKE_LEASE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     prompt_len: int
@@ -43,7 +56,8 @@ class QueryHitRequest(_message.Message):
     traffic_class: str
     take_lease: bool
     block_keys_packed: bytes
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_len: _Optional[int] = ..., mode: _Optional[_Union[HitMode, str]] = ..., traffic_class: _Optional[str] = ..., take_lease: _Optional[bool] = ..., block_keys_packed: _Optional[bytes] = ...) -> None: ...
+    layout: Layout
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_len: _Optional[int] = ..., mode: _Optional[_Union[HitMode, str]] = ..., traffic_class: _Optional[str] = ..., take_lease: _Optional[bool] = ..., block_keys_packed: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
 
 class HitPlan(_message.Message):
     __slots__ = ("prompt_len", "cap", "block_hit_tokens", "hit_tokens", "swa_hit", "swa_position", "swa_owner", "replay_start", "replay_tokens", "compute_from", "store_at")
@@ -98,14 +112,16 @@ class Block(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class PutBlocksRequest(_message.Message):
-    __slots__ = ("blocks", "traffic_class", "shared")
+    __slots__ = ("blocks", "traffic_class", "shared", "layout")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[Block]
     traffic_class: str
     shared: bool
-    def __init__(self, blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ..., traffic_class: _Optional[str] = ..., shared: _Optional[bool] = ...) -> None: ...
+    layout: Layout
+    def __init__(self, blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ..., traffic_class: _Optional[str] = ..., shared: _Optional[bool] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
 
 class PutBlocksResponse(_message.Message):
     __slots__ = ("committed", "failed_keys", "existing", "busy_keys")
@@ -120,12 +136,14 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, committed: _Optional[int] = ..., failed_keys: _Optional[_Iterable[bytes]] = ..., existing: _Optional[int] = ..., busy_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("keys", "lease_id")
+    __slots__ = ("keys", "lease_id", "layout")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_id: str
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    layout: Layout
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., lease_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
     __slots__ = ("key", "found", "payload", "miss_reason", "degraded")
@@ -142,18 +160,20 @@ class GetBlocksResponse(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., found: _Optional[bool] = ..., payload: _Optional[bytes] = ..., miss_reason: _Optional[str] = ..., degraded: _Optional[bool] = ...) -> None: ...
 
 class PutSWAStateRequest(_message.Message):
-    __slots__ = ("key", "position", "state", "machine", "shared")
+    __slots__ = ("key", "position", "state", "machine", "shared", "layout")
     KEY_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MACHINE_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     position: int
     state: bytes
     machine: str
     shared: bool
-    def __init__(self, key: _Optional[bytes] = ..., position: _Optional[int] = ..., state: _Optional[bytes] = ..., machine: _Optional[str] = ..., shared: _Optional[bool] = ...) -> None: ...
+    layout: Layout
+    def __init__(self, key: _Optional[bytes] = ..., position: _Optional[int] = ..., state: _Optional[bytes] = ..., machine: _Optional[str] = ..., shared: _Optional[bool] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
 
 class PutSWAStateResponse(_message.Message):
     __slots__ = ("owner",)
@@ -162,12 +182,14 @@ class PutSWAStateResponse(_message.Message):
     def __init__(self, owner: _Optional[str] = ...) -> None: ...
 
 class GetSWAStateRequest(_message.Message):
-    __slots__ = ("key", "position")
+    __slots__ = ("key", "position", "layout")
     KEY_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     position: int
-    def __init__(self, key: _Optional[bytes] = ..., position: _Optional[int] = ...) -> None: ...
+    layout: Layout
+    def __init__(self, key: _Optional[bytes] = ..., position: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
 
 class GetSWAStateResponse(_message.Message):
     __slots__ = ("found", "state", "owner", "miss_reason")
