@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvstore.errors import InvalidArgument
-from kvstore.integrations.tiny_model import shape_cli, write_tokenizer
+from kvstore.integrations.tiny_model import shape_cli, transformer_shape, write_tokenizer
 
 
 @dataclass(frozen=True)
@@ -63,14 +63,7 @@ def build_tiny_gemma3(directory: str | Path, shape: TinyGemma3 | None = None) ->
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(out, shape.vocab)
     config = Gemma3TextConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=shape.max_positions,
+        **transformer_shape(shape),
         sliding_window=shape.sliding_window,
         layer_types=shape.layer_types,
         query_pre_attn_scalar=shape.head_dim // 4,  # scale 2/√head_dim: sharper attention

@@ -76,6 +76,20 @@ def write_tokenizer(out: Path, vocab: int) -> None:
     fast.save_pretrained(out)
 
 
+def transformer_shape(shape: Any) -> dict[str, int]:
+    """The Hugging Face config fields every tiny model's shape sets the same way."""
+    return {
+        "vocab_size": shape.vocab,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "max_position_embeddings": shape.max_positions,
+    }
+
+
 def build_tiny_llama(directory: str | Path, shape: TinyLlama | None = None) -> Path:
     """Write the model and its tokenizer into ``directory`` (created); returns it."""
     import torch
@@ -86,14 +100,7 @@ def build_tiny_llama(directory: str | Path, shape: TinyLlama | None = None) -> P
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(out, shape.vocab)
     config = LlamaConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=shape.max_positions,
+        **transformer_shape(shape),
         bos_token_id=0,
         eos_token_id=1,
         tie_word_embeddings=False,
