@@ -3,8 +3,10 @@
     python3 benchmarks/swapin.py                 # CPU, and CUDA when a GPU is present
     python3 benchmarks/swapin.py --json --device cpu --blocks 512 --runs 7
 
-A V4.1-Flash hit of ``--blocks`` blocks plus its SWA state sits in a /dev/shm staging area (as the
-fetcher leaves it); the real ``SwapIn`` copies it into real ``DevicePools`` layer by layer. The
+A V4.1-Flash hit of ``--blocks`` blocks sits in a /dev/shm staging area (as the fetcher leaves
+it); the real ``SwapIn`` (the engine side's one load mechanism, the one vLLM's loads use) copies
+it layer by layer into an engine's cache: one ``[blocks, layer bytes]`` tensor per block-KV layer
+(V4.1-Flash: layers 2..19), the block table a random permutation. The
 "model" is a toy per-layer compute (one matmul per layer, ``[rows_i, 256] @ [256, 256]``, like a
 layer's one big kernel), with rows_i calibrated so layer i's compute takes about as long as
 layer i's copy. Four timings, medians of ``--runs`` rounds (the
@@ -40,9 +42,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvstore.engine.kvlayout import KVLayout  # noqa: E402
+from kvstore.engine.staging import PreparedStage, StageLayout, StagingArea  # noqa: E402
 from kvstore.geometry import GeometryConfig  # noqa: E402
-from kvstore.gpu.kvlayout import KVLayout  # noqa: E402
-from kvstore.gpu.staging import PreparedStage, StageLayout, StagingArea  # noqa: E402
 
 TARGET_CPU = 0.80
 WIDTH = 256  # the toy compute is one [rows, WIDTH] @ [WIDTH, WIDTH] matmul per layer
@@ -60,21 +62,25 @@ class Bench:
 
     def __init__(self, device: str, blocks: int) -> None:
         torch = _torch()
-        from kvstore.gpu.pools import DevicePools
-        from kvstore.gpu.swapin import LoadTarget, SwapIn
+        from kvstore.engine.rows import KVRows, as_ids
+        from kvstore.engine.swapin import LoadTarget, SwapIn
 
         self.torch = torch
         self.device = device
         self.cuda = device.startswith("cuda")
-        self.geometry = GeometryConfig(num_state_seqs=2)
-        self.kv = KVLayout.from_geometry(self.geometry)
-        self.layout = StageLayout.plan(self.kv, blocks, with_state=True)
+        model = KVLayout.from_geometry(GeometryConfig(num_state_seqs=2))
+        self.cache = [
+            torch.zeros((blocks, item.block_nbytes), dtype=torch.uint8, device=device)
+            for item in model.layers
+            if item.block_nbytes
+        ]
+        engine_rows = KVRows.of(self.cache, None)
+        self.kv = engine_rows.kv
+        self.layout = StageLayout.plan(self.kv, blocks, with_state=False)
         self.area = StagingArea(self.layout.total_bytes + (1 << 20))
-        self.pools = DevicePools(self.geometry, num_blocks=blocks, device=device)
-        self.swapin = SwapIn(self.pools, area=self.area)
+        self.swapin = SwapIn(engine_rows, area=self.area)
         ids = np.random.default_rng(0).permutation(blocks)  # a scattered block table
-        keys = tuple(i.to_bytes(32, "little") for i in range(blocks))
-        self.target = LoadTarget("bench", tuple(int(b) for b in ids), keys, slot=1, anchor=blocks)
+        self.target = LoadTarget("bench", as_ids(ids))
         self.payload = np.random.default_rng(1).integers(
             0, 256, self.layout.total_bytes - self.layout.header_bytes, dtype=np.uint8
         )

@@ -10,7 +10,7 @@ a Gemma-3 of the same shape whose layers alternate a 128-token sliding window an
 (vLLM's hybrid KV-cache manager on: the full layers' blocks come from the block tier, the sliding
 layers' window state from the SWA tier), starts a real `kvstore up`
 (its own process, gRPC on 127.0.0.1, no GC) and runs every engine in a fresh process
-(``python -m kvstore.integrations.vllm_run``, one process per engine), each first serving a
+(``python -m kvstore.engine.vllm_run``, one process per engine), each first serving a
 short unrelated prompt so that start-up costs are not in any figure:
 
 - seed: an engine with the connector serves the prompt once (cold, and saving every block);
@@ -48,9 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
-from kvstore.integrations.tiny_gemma import TinyGemma3, build_tiny_gemma3  # noqa: E402
-from kvstore.integrations.tiny_model import TinyLlama, build_tiny_llama  # noqa: E402
-from kvstore.integrations.vllm_run import fresh_engine  # noqa: E402
+from kvstore.engine.tiny_gemma import TinyGemma3, build_tiny_gemma3  # noqa: E402
+from kvstore.engine.tiny_model import TinyLlama, build_tiny_llama  # noqa: E402
+from kvstore.engine.vllm_run import fresh_engine  # noqa: E402
 from kvstore.runtime.upprocess import TierProcess  # noqa: E402
 
 #: Targets of issue 16.

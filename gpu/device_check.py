@@ -4,7 +4,7 @@
 
 It runs, each under its own time limit (about 5 minutes in all):
 
-1. ``pytest tests/gpu -m cuda``: pinned /dev/shm staging, side-stream swap-in with one event per
+1. ``pytest tests/engine -m cuda``: pinned /dev/shm staging, side-stream swap-in with one event per
    layer, ``wait(layer)`` without a host sync, layer i usable before layer i+1 is staged, save
    from the GPU without a host sync, the connector round trip;
 2. ``benchmarks/swapin.py --json``: overlap efficiency on CPU and CUDA, and the swap-in's
@@ -62,7 +62,7 @@ def test_row() -> tuple[bool, list[str]]:
                 sys.executable,
                 "-m",
                 "pytest",
-                "tests/gpu",
+                "tests/engine",
                 "-m",
                 "cuda",
                 "-q",

@@ -144,7 +144,7 @@ class ServiceConfig:
     start_repair: bool = True
     #: Exact size of one block payload the tier accepts. None: the preset's
     #: (``GeometryConfig.block_bytes``). Set it for an engine whose blocks are laid out by the
-    #: engine, not by a kvstore preset: a vLLM model through ``kvstore.integrations.vllm``
+    #: engine, not by a kvstore preset: a vLLM model through ``kvstore.engine.vllm``
     #: (layers × 2 × KV heads × head size × 128 tokens × dtype bytes; the connector prints it).
     block_bytes: int | None = None
 

@@ -17,7 +17,7 @@ by replaying [L1 − 128, L1) with attention bounded to the replay start. Replay
 only and never recomputes or overwrites block KV.
 
 Full-attention mode is for engines whose attention has no sliding window and no speculative
-rollback to protect (a dense model served by vLLM through ``kvstore.integrations.vllm``): the
+rollback to protect (a dense model served by vLLM through ``kvstore.engine.vllm``): the
 cap is L − 1 (the engine computes at least the last prompt token, whose logits it samples
 from), no SWA state is looked for, and hit = L1.
 

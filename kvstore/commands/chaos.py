@@ -125,20 +125,12 @@ def _run_scenarios(
 ) -> list[ScenarioResult]:
     from kvstore.chaos.scenarios import run_scenario
     from kvstore.chaos.tier import ChaosConfig, ChaosTier
-    from kvstore.runtime.cluster import LocalCluster, LocalClusterConfig
+    from kvstore.runtime.cluster import LocalCluster
 
     _progress(f"starting a local cluster of {args.machines} machines")
-    # Ray's own health checks are relaxed here: the tier detects dead machines itself (its
-    # repair loop pings every 0.3 s), and on a busy host a raylet starved for a few seconds
-    # must not be declared dead by Ray: that would be a fault nobody injected.
-    cluster = LocalCluster.start(
-        num_machines=args.machines,
-        config=LocalClusterConfig(
-            health_check_period_ms=1000,
-            health_check_timeout_ms=3000,
-            health_check_failure_threshold=6,
-        ),
-    )
+    # Ray's default health checks (LocalClusterConfig) already leave a starved raylet alone;
+    # the tier detects dead machines itself (its repair loop pings every 0.3 s).
+    cluster = LocalCluster.start(num_machines=args.machines)
     results = []
     shared = [item for item in chosen if item.name not in OWN_DEPLOYMENT]
     own = sorted(

@@ -22,8 +22,8 @@ import pytest
 from kvstore.blockstore.config import StorageNodeConfig
 from kvstore.blockstore.node import StorageNode
 from kvstore.ec import Codec
+from kvstore.engine.staging import StagingArea
 from kvstore.errors import ConfigError
-from kvstore.gpu.staging import StagingArea
 from kvstore.tier.files import DirectoryTier
 
 CODEC = Codec(10, 2)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.engine.settings import ConnectorSettings, EngineLayout, engine_fingerprint
 from kvstore.errors import ConfigError
-from kvstore.integrations.settings import ConnectorSettings, EngineLayout, engine_fingerprint
 
 
 def settings(**extra: object) -> ConnectorSettings:

@@ -1,5 +1,5 @@
 """The Ray boundary, checked: product code outside ``kvstore/runtime/`` imports no ``ray``; and
-only the vLLM connector (``kvstore.integrations.vllm``) and its runner import vLLM.
+only the vLLM connector (``kvstore.engine.vllm``) and its runner import vLLM.
 
 Logic packages (``tier``, ``blockstore``, ``swa``, ``gc``, ``api``, ``gpu``, ``ec``, ``ledger``,
 ``verify``, ...) reach the cluster only through injected seams (a ``Fanout``, an ``SWATransport``,
@@ -35,8 +35,8 @@ WIRING = (
 FORBIDDEN = ("ray", "kvstore.runtime")
 #: The modules that may import vLLM: the connector vLLM loads by name, and the runner that
 #: serves prompts in one engine (tests, benchmark, a user's smoke test).
-VLLM_GLUE = "kvstore.integrations.vllm"
-VLLM_MODULES = (VLLM_GLUE, "kvstore.integrations.vllm_run")
+VLLM_GLUE = "kvstore.engine.vllm"
+VLLM_MODULES = (VLLM_GLUE, "kvstore.engine.vllm_run")
 
 
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -90,7 +90,7 @@ def test_the_rule_catches_an_import_of_ray_anywhere_in_a_logic_module() -> None:
         ("kvstore.swa.client", lazy),
         ("kvstore.api.servicer", "from ray.util import ActorPool\n"),
         ("kvstore.blockstore.client", "from kvstore.runtime.deploy import BlockStoreHandles\n"),
-        ("kvstore.gpu.fetcher", "from kvstore.chaos.tier import ChaosTier\n"),
+        ("kvstore.engine.fetcher", "from kvstore.chaos.tier import ChaosTier\n"),
     ]:
         broken = {**sources, module: sources[module] + extra}
         assert violations(broken) == [
@@ -136,6 +136,6 @@ def test_only_the_connector_imports_vllm() -> None:
     lazy = "def f():\n    from vllm import LLM\n    return LLM\n"
     broken = {
         **sources,
-        "kvstore.integrations.worker": sources["kvstore.integrations.worker"] + lazy,
+        "kvstore.engine.worker": sources["kvstore.engine.worker"] + lazy,
     }
-    assert vllm_importers(broken) == ["kvstore.integrations.worker"]
+    assert vllm_importers(broken) == ["kvstore.engine.worker"]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from vllm_harness import GEMMA, HYBRID_PROMPTS, PROMPTS, SHAPE, run_engine, start_tier
 
-from kvstore.integrations.tiny_gemma import build_tiny_gemma3
-from kvstore.integrations.tiny_model import build_tiny_llama
+from kvstore.engine.tiny_gemma import build_tiny_gemma3
+from kvstore.engine.tiny_model import build_tiny_llama
 from kvstore.runtime.upprocess import TierProcess
 
 

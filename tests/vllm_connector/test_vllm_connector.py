@@ -132,7 +132,7 @@ def test_the_openai_server_hits_on_a_repeated_completion(
         port = probe.getsockname()[1]
     transfer = {
         "kv_connector": "KVStoreConnector",
-        "kv_connector_module_path": "kvstore.integrations.vllm",
+        "kv_connector_module_path": "kvstore.engine.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": connector_config(running_tier),

@@ -3,7 +3,7 @@
 - ``start_tier``: a real ``kvstore up`` in its own process (embedded local Ray cluster, gRPC on
   port 0, 127.0.0.1); no size flag: each engine's connector names its model's layout.
 - ``run_engine``: one vLLM engine in a fresh process (``python -m
-  kvstore.integrations.vllm_run``), its results as JSON.
+  kvstore.engine.vllm_run``), its results as JSON.
 
 These need vLLM (``.ci/run`` installs it in its own venv and runs ``-m vllm`` there); without
 it the test modules skip themselves.
@@ -19,9 +19,9 @@ import pytest
 
 from kvstore.blockstore.segments import find_shard_records
 from kvstore.childenv import child_env as kvstore_child_env
-from kvstore.integrations.tiny_gemma import TinyGemma3
-from kvstore.integrations.tiny_model import TinyLlama
-from kvstore.integrations.vllm_run import fresh_engine
+from kvstore.engine.tiny_gemma import TinyGemma3
+from kvstore.engine.tiny_model import TinyLlama
+from kvstore.engine.vllm_run import fresh_engine
 from kvstore.keys import block_keys
 from kvstore.runtime.upprocess import TierProcess
 from kvstore.tenants import DEFAULT_TENANT, namespaced_key, salts

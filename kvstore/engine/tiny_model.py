@@ -6,7 +6,7 @@ that vLLM loads like any downloaded model. The weights are random but fixed by `
 engines given the same directory compute the same KV, which is what a cross-engine cache hit
 needs. Needs ``transformers`` and ``tokenizers`` (installed with vLLM).
 
-    python -m kvstore.integrations.tiny_model DIR [--layers 2 --hidden 128]
+    python -m kvstore.engine.tiny_model DIR [--layers 2 --hidden 128]
 """
 
 from __future__ import annotations
@@ -92,27 +92,48 @@ def transformer_shape(shape: Any) -> dict[str, int]:
 
 def build_tiny_llama(directory: str | Path, shape: TinyLlama | None = None) -> Path:
     """Write the model and its tokenizer into ``directory`` (created); returns it."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    shape = shape or TinyLlama()
+    def init(name: str, parameter: Any) -> None:
+        # Larger weights than the default init: logits that differ by token.
+        parameter.normal_(0.0, 0.08)
+
+    return write_model(
+        directory,
+        shape or TinyLlama(),
+        "llama",
+        LlamaConfig,
+        LlamaForCausalLM,
+        init,
+        torch_dtype="float32",
+    )
+
+
+def write_model(
+    directory: str | Path,
+    shape: Any,
+    name: str,
+    config_class: Any,
+    model_class: Any,
+    init: Callable[[str, Any], None],
+    **config: Any,
+) -> Path:
+    """A tiny random model of ``shape`` into ``directory`` (created): its tokenizer, config
+    (``transformer_shape`` plus ``config``), weights drawn by ``init`` per parameter from the
+    shape's seed, and ``kvstore-tiny-<name>.json`` (the shape)."""
+    import torch
+
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(out, shape.vocab)
-    config = LlamaConfig(
-        **transformer_shape(shape),
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
+    settings = {"bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False, **config}
     torch.manual_seed(shape.seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # larger weights than the default init: logits that differ by token
-        for parameter in model.parameters():
-            parameter.normal_(0.0, 0.08)
+    model = model_class(config_class(**transformer_shape(shape), **settings))
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            init(parameter_name, parameter)
     model.save_pretrained(out, safe_serialization=True)
-    (out / "kvstore-tiny-llama.json").write_text(json.dumps(asdict(shape)))
+    (out / f"kvstore-tiny-{name}.json").write_text(json.dumps(asdict(shape)))
     return out
 
 
@@ -131,7 +152,7 @@ def shape_cli(
 
 def main(argv: list[str] | None = None) -> int:
     path, shape = shape_cli(
-        argv, "kvstore.integrations.tiny_model", __doc__, TinyLlama(), build_tiny_llama
+        argv, "kvstore.engine.tiny_model", __doc__, TinyLlama(), build_tiny_llama
     )
     print(f"{path}: {shape} (block {shape.block_bytes()} B in float32)")
     return 0

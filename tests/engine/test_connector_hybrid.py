@@ -16,14 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.errors import ConfigError
-from kvstore.integrations.groups import FULL, SLIDING, CacheGroup, EngineGroups
-from kvstore.integrations.plan import StepPlan
-from kvstore.integrations.scheduler import PagedScheduler
-from kvstore.integrations.worker import PagedWorker
+from kvstore.engine.groups import FULL, SLIDING, CacheGroup, EngineGroups
+from kvstore.engine.plan import StepPlan
+from kvstore.engine.scheduler import PagedScheduler
+from kvstore.engine.worker import PagedWorker
 from kvstore.keys import BLOCK_TOKENS
 from kvstore.tier.files import DirectoryTier
-from kvstore.tier.records import Layout
 
 BLOCKS, SHAPE = 16, (2, BLOCK_TOKENS, 16)
 PAGE = int(np.prod(SHAPE)) * 4
@@ -103,38 +101,6 @@ def prompt_of(length: int, seed: int = 5) -> list[int]:
 
 def tables(sliding: list[int], full: list[int]) -> tuple[list[int], list[int]]:
     return (sliding, full)
-
-
-def test_groups_say_what_goes_where_and_refuse_what_cannot_be_served_exactly() -> None:
-    assert GROUPS.hybrid and GROUPS.hit_mode == "exact-window"
-    assert (GROUPS.full_group, GROUPS.sliding_groups, GROUPS.window_blocks) == (1, (0,), 1)
-    assert GROUPS.block_bytes == 2 * PAGE and GROUPS.state_bytes == 2 * PAGE
-    kv = GROUPS.kv_layout()
-    assert kv.block_layers == (1, 3) and kv.state_layers == (0, 2)
-    assert GROUPS.layout(FINGERPRINT) == Layout(FINGERPRINT, 2 * PAGE, 2 * PAGE)
-    wide = EngineGroups(
-        BLOCK_TOKENS, PAGE, NAMES[:2], (CacheGroup(SLIDING, (0,), 300), CacheGroup(FULL, (1,)))
-    )
-    assert wide.window_blocks == 3  # 299 earlier tokens span three blocks
-    with pytest.raises(ConfigError, match="exactly one full-attention"):
-        EngineGroups(
-            BLOCK_TOKENS, PAGE, NAMES[:2], (CacheGroup(FULL, (0,)), CacheGroup(FULL, (1,)))
-        )
-    with pytest.raises(ConfigError, match="cannot serve mamba"):
-        EngineGroups(
-            BLOCK_TOKENS, PAGE, NAMES[:2], (CacheGroup(FULL, (0,)), CacheGroup("mamba", (1,)))
-        )
-    with pytest.raises(ConfigError, match="one sliding window"):
-        EngineGroups(
-            BLOCK_TOKENS,
-            PAGE,
-            NAMES[:3],
-            (
-                CacheGroup(SLIDING, (0,), 128),
-                CacheGroup(SLIDING, (1,), 512),
-                CacheGroup(FULL, (2,)),
-            ),
-        )
 
 
 def test_a_fresh_engine_loads_every_full_block_and_only_the_window(file_tier, engines) -> None:

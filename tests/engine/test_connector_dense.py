@@ -1,4 +1,4 @@
-"""The connector core (``kvstore.integrations.scheduler``, ``.worker``) without an engine.
+"""Both halves of the connector core (scheduler and worker sides) without an engine, dense model.
 
 Two "engines" are two sets of per-layer KV tensors shaped like vLLM's CPU cache
 (``[num_blocks, kv_heads, 128, 2 × head_size]``); the tier is real checksummed files
@@ -8,17 +8,15 @@ of the scheduler's retry window.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 
-from kvstore.api.client import KVStoreClient
-from kvstore.integrations.plan import StepPlan
-from kvstore.integrations.scheduler import PagedScheduler
-from kvstore.integrations.worker import PagedWorker
+from kvstore.engine.plan import StepPlan
+from kvstore.engine.scheduler import PagedScheduler
+from kvstore.engine.worker import PagedWorker
 from kvstore.keys import BLOCK_TOKENS
 from kvstore.tier.files import DirectoryTier
 
@@ -107,21 +105,6 @@ def test_a_second_engine_loads_exactly_what_the_first_saved(file_tier, engines) 
     assert b.worker.stats.blocks_saved == 0  # what it loaded is in the tier already
 
 
-def test_hits_are_whole_blocks_and_leave_one_token_to_compute(file_tier, engines) -> None:
-    a = Engine(file_tier, seed=1)
-    engines.append(a)
-    prompt = prompt_of(3 * BLOCK_TOKENS + 1)
-    a.serve("all", prompt, [0, 1, 2])
-    assert a.worker.flush(60)
-    s = PagedScheduler(file_tier, FINGERPRINT, mode="full-attention")
-    assert s.matched_tokens("short", prompt[:100], 0) == 0
-    assert s.matched_tokens("exact", prompt[:256], 0) == 128  # 256 would leave nothing to run
-    assert s.matched_tokens("plus1", prompt[:257], 0) == 256
-    assert s.matched_tokens("local", prompt[:385], 128) == 256  # the engine has block 0 itself
-    with pytest.raises(Exception, match="whole"):
-        s.matched_tokens("odd", prompt, 100)
-
-
 def test_a_corrupt_block_is_reported_for_recompute_and_never_written(file_tier, engines) -> None:
     a = Engine(file_tier, seed=1)
     engines.append(a)
@@ -141,26 +124,6 @@ def test_a_corrupt_block_is_reported_for_recompute_and_never_written(file_tier, 
     assert torch.isnan(b.tensors[0][0]).all() and torch.isnan(b.tensors[1][0]).all()
     assert torch.equal(b.tensors[1][1], a.tensors[1][4])
     assert b.worker.stats.blocks_failed == 1 and b.worker.load_errors() == set()
-
-
-def test_a_tier_that_does_not_answer_is_a_miss_and_is_left_alone_for_a_while() -> None:
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    now = [0.0]
-    client = KVStoreClient(f"127.0.0.1:{port}", timeout_s=1.0)
-    try:
-        s = PagedScheduler(
-            client, FINGERPRINT, mode="full-attention", retry_after_s=5, clock=lambda: now[0]
-        )
-        prompt = prompt_of(600)
-        assert [s.matched_tokens(f"r{i}", prompt, 0) for i in range(3)] == [0, 0, 0]
-        assert (s.lookups, s.lookup_failures) == (1, 1)  # asked once, then left alone
-        now[0] = 6.0
-        assert s.matched_tokens("later", prompt, 0) == 0
-        assert (s.lookups, s.lookup_failures) == (2, 2)
-    finally:
-        client.close()
 
 
 def test_a_finished_request_keeps_its_blocks_until_its_saves_are_gathered(
@@ -183,20 +146,6 @@ def test_a_finished_request_keeps_its_blocks_until_its_saves_are_gathered(
     assert follow.finished == {"r": 1}
     assert a.worker.finished_saving() == {"r"}
     assert a.worker.finished_saving() == set()
-
-
-def test_a_load_dropped_before_its_step_is_not_sent(file_tier, engines) -> None:
-    a = Engine(file_tier, seed=1)
-    engines.append(a)
-    prompt = prompt_of(300)
-    a.serve("r", prompt, [0, 1, 2])
-    assert a.worker.flush(60)
-    b = Engine(file_tier, seed=None)
-    engines.append(b)
-    assert b.scheduler.matched_tokens("r", prompt, 0) == 256
-    b.scheduler.allocated("r", [3, 4, 5], 256)
-    assert b.scheduler.finished("r") is False
-    assert b.scheduler.build().loads == []
 
 
 def test_the_worker_refuses_tensors_it_cannot_treat_as_block_rows() -> None:

@@ -1,17 +1,17 @@
 """Serve prompts in one fresh vLLM engine and print what came out: a smoke test of a connector
 configuration, and the engine half of the connector's tests and TTFT benchmark.
 
-    python -m kvstore.integrations.vllm_run SPEC.json
+    python -m kvstore.engine.vllm_run SPEC.json
 
 SPEC (JSON): ``model`` (directory or hub id), ``prompts`` (lists of token ids, served one
 after another, each on its own), and optionally ``connector`` (the ``kv_connector_extra_config``
-of ``kvstore.integrations.vllm``; null = no connector), ``max_tokens`` (4), ``prefix_caching``
+of ``kvstore.engine.vllm``; null = no connector), ``max_tokens`` (4), ``prefix_caching``
 (false: vLLM's own cache off, so every reused token comes from kvstore), ``multiprocessing``
 (false: one process), ``kv_cache_bytes`` (64 MiB), ``max_model_len``, ``dtype`` ("float32").
 
 Prints one line ``RESULT {json}``: per prompt the greedy token ids, their logprobs,
 ``num_cached_tokens`` and the seconds ``generate`` took; with a connector in one process, the
-worker's figures after each prompt (``kvstore.integrations.worker.WorkerStats``), the key
+worker's figures after each prompt (``kvstore.engine.worker.WorkerStats``), the key
 fingerprints, the tier layout and the KV-cache groups the connector was given.
 ``fresh_engine`` runs it in a new process from Python (tests, benchmark).
 """
@@ -42,7 +42,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("connector") is not None:
         transfer = {
             "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvstore.integrations.vllm",
+            "kv_connector_module_path": "kvstore.engine.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": spec["connector"],
@@ -85,7 +85,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         results.append(entry)
     answer: dict[str, Any] = {"results": results, "worker": None, "fingerprint": None}
     if worker is not None:
-        from kvstore.integrations.settings import engine_fingerprint
+        from kvstore.engine.settings import engine_fingerprint
 
         fingerprint = engine_fingerprint(worker.layout)
         answer["fingerprint"] = fingerprint.hex()
@@ -119,13 +119,13 @@ def fresh_engine(
     timeout_s: float = 900.0,
     prefix: Sequence[str] = (),
 ) -> FreshRun:
-    """Run ``spec`` in a new ``python -m kvstore.integrations.vllm_run`` process (its spec file
+    """Run ``spec`` in a new ``python -m kvstore.engine.vllm_run`` process (its spec file
     and working directory in ``workdir``), vLLM's sockets on loopback. ``prefix`` goes before
     the command (``ip netns exec HOST``: the engine on a testbed host of its own)."""
     path = workdir / f"engine-spec-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(spec))
     done = subprocess.run(
-        [*prefix, sys.executable, "-m", "kvstore.integrations.vllm_run", str(path)],
+        [*prefix, sys.executable, "-m", "kvstore.engine.vllm_run", str(path)],
         capture_output=True,
         text=True,
         timeout=timeout_s,

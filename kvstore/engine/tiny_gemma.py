@@ -9,17 +9,17 @@ float32, random but fixed by ``seed``. Gemma-3 RMS-normalises queries and keys, 
 projections does not sharpen attention; the norms' gains and a small ``query_pre_attn_scalar``
 do, so that attention (and hence the logprobs) depends visibly on which KV it reads.
 
-    python -m kvstore.integrations.tiny_gemma DIR [--layers 4 --sliding-window 128]
+    python -m kvstore.engine.tiny_gemma DIR [--layers 4 --sliding-window 128]
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from kvstore.engine.tiny_model import shape_cli, write_model
 from kvstore.errors import InvalidArgument
-from kvstore.integrations.tiny_model import shape_cli, transformer_shape, write_tokenizer
 
 
 @dataclass(frozen=True)
@@ -55,44 +55,38 @@ class TinyGemma3:
 
 def build_tiny_gemma3(directory: str | Path, shape: TinyGemma3 | None = None) -> Path:
     """Write the model and its tokenizer into ``directory`` (created); returns it."""
-    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     shape = shape or TinyGemma3()
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out, shape.vocab)
-    config = Gemma3TextConfig(
-        **transformer_shape(shape),
+
+    def init(name: str, parameter: Any) -> None:
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            parameter.fill_(1.0)  # Gemma norms scale by 1 + weight: gain 2 on q and k
+        elif name.endswith("norm.weight"):
+            parameter.zero_()
+        elif "embed_tokens" in name:  # Gemma multiplies embeddings by √hidden
+            parameter.normal_(0.0, 1.0 / shape.hidden**0.5)
+        else:
+            parameter.normal_(0.0, 0.08)
+
+    return write_model(
+        directory,
+        shape,
+        "gemma3",
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        init,
         sliding_window=shape.sliding_window,
         layer_types=shape.layer_types,
         query_pre_attn_scalar=shape.head_dim // 4,  # scale 2/√head_dim: sharper attention
-        bos_token_id=0,
-        eos_token_id=1,
         pad_token_id=1,
-        tie_word_embeddings=False,
         dtype="float32",
     )
-    torch.manual_seed(shape.seed)
-    model = Gemma3ForCausalLM(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                parameter.fill_(1.0)  # Gemma norms scale by 1 + weight: gain 2 on q and k
-            elif name.endswith("norm.weight"):
-                parameter.zero_()
-            elif "embed_tokens" in name:  # Gemma multiplies embeddings by √hidden
-                parameter.normal_(0.0, 1.0 / shape.hidden**0.5)
-            else:
-                parameter.normal_(0.0, 0.08)
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "kvstore-tiny-gemma3.json").write_text(json.dumps(asdict(shape)))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     path, shape = shape_cli(
-        argv, "kvstore.integrations.tiny_gemma", __doc__, TinyGemma3(), build_tiny_gemma3
+        argv, "kvstore.engine.tiny_gemma", __doc__, TinyGemma3(), build_tiny_gemma3
     )
     print(f"{path}: {shape} ({shape.layer_types})")
     return 0

@@ -3,7 +3,7 @@ into a /dev/shm staging region, layer by layer, announcing each layer as it land
 
 Why a process: reading from the tier (gRPC, Ray, checksums, erasure decoding) is Python work
 that would otherwise hold the engine process's GIL while the model runs. The fetcher is a fresh
-interpreter (``python -m kvstore.gpu.fetcher``: no inherited CUDA context, locks or threads)
+interpreter (``python -m kvstore.engine.fetcher``: no inherited CUDA context, locks or threads)
 and never imports torch. It is started with ``subprocess``, not ``multiprocessing``, because
 engines run their workers as daemonic ``multiprocessing`` processes (vLLM does), which
 ``multiprocessing`` forbids to have children; the pipes are ``multiprocessing.connection``
@@ -44,10 +44,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvstore.childenv import child_env
-from kvstore.errors import InvalidArgument, SwapInError
-from kvstore.geometry import GeometryConfig
-from kvstore.gpu.kvlayout import KVLayout
-from kvstore.gpu.staging import (
+from kvstore.engine.kvlayout import KVLayout
+from kvstore.engine.staging import (
     OK,
     StageHeader,
     StageLayout,
@@ -55,6 +53,8 @@ from kvstore.gpu.staging import (
     StagingRegion,
     map_staging_file,
 )
+from kvstore.errors import InvalidArgument, SwapInError
+from kvstore.geometry import GeometryConfig
 from kvstore.keys import check_key
 from kvstore.tier.protocols import ReaderFactory, TierReader
 
@@ -343,7 +343,7 @@ class Fetcher:
         events_read, events_write = os.pipe()
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "kvstore.gpu.fetcher", str(jobs_read), str(events_write)],
+                [sys.executable, "-m", "kvstore.engine.fetcher", str(jobs_read), str(events_write)],
                 pass_fds=(jobs_read, events_write),
                 env=child_env(),
                 stdin=subprocess.DEVNULL,
@@ -488,7 +488,7 @@ class Fetcher:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m kvstore.gpu.fetcher JOBS_FD EVENTS_FD``: the fetcher process (started by
+    """``python -m kvstore.engine.fetcher JOBS_FD EVENTS_FD``: the fetcher process (started by
     ``Fetcher``; the first message on JOBS is ``(reader_factory, gate)``)."""
     args = sys.argv[1:] if argv is None else argv
     jobs = Connection(int(args[0]), writable=False)

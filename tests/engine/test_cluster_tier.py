@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
+from kvstore.engine.scheduler import PagedScheduler
+from kvstore.engine.worker import PagedWorker
 from kvstore.geometry import GeometryConfig
-from kvstore.integrations.scheduler import PagedScheduler
-from kvstore.integrations.worker import PagedWorker
 from kvstore.runtime.cluster import LocalCluster
 from kvstore.runtime.deploy import deploy_blockstore
 from kvstore.runtime.tiers import ClusterReaderFactory, cluster_tier

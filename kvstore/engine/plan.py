@@ -2,9 +2,9 @@
 
 An engine with a paged KV cache (vLLM's) keeps, per attention layer, one tensor whose first
 dimension is the block id; one block of 128 tokens is one opaque row of bytes of that layer. The
-scheduler side (``kvstore.integrations.scheduler``) decides which rows to fill from the tier and
-which to save; the worker side (``kvstore.integrations.worker``) moves the bytes. Block ids are
-the engine's, per KV-cache group (``kvstore.integrations.groups``): ``block_ids`` name rows of the
+scheduler side (``kvstore.engine.scheduler``) decides which rows to fill from the tier and
+which to save; the worker side (``kvstore.engine.worker``) moves the bytes. Block ids are
+the engine's, per KV-cache group (``kvstore.engine.groups``): ``block_ids`` name rows of the
 full-attention group's layers, ``windows`` (one tuple per sliding-window group) rows of that
 group's layers.
 """

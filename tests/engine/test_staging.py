@@ -7,10 +7,10 @@ import os
 import numpy as np
 import pytest
 
+from kvstore.engine.kvlayout import KVLayout
+from kvstore.engine.staging import FAILED, OK, PENDING, StageLayout, StagingArea, map_staging_file
 from kvstore.errors import InvalidArgument, StagingFull, StateRejected
 from kvstore.geometry import GeometryConfig
-from kvstore.gpu.kvlayout import KVLayout
-from kvstore.gpu.staging import FAILED, OK, PENDING, StageLayout, StagingArea, map_staging_file
 from kvstore.ledger.layout import build_layout, swa_region_name
 from kvstore.tier.records import HitRequest
 

@@ -4,7 +4,7 @@ One ``PagedScheduler`` per engine asks the tier once per request how much of its
 cached (one QueryHit with the prompt's chained block keys and the model's hit mode, a lease
 taken), records which engine blocks a load must fill and which newly computed blocks a step
 must save, and hands both to the worker side as a picklable ``StepPlan``
-(``kvstore.integrations.plan``). A tier that does not answer within ``lookup_timeout_s`` is a
+(``kvstore.engine.plan``). A tier that does not answer within ``lookup_timeout_s`` is a
 miss, and for ``retry_after_s`` after that every lookup is a miss without asking, so a dead tier
 costs one timeout, not one per request.
 
@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.engine.groups import EngineGroups
+from kvstore.engine.plan import PagedLoad, PagedSave, StateSave, StepPlan, describe
 from kvstore.errors import InvalidArgument
-from kvstore.integrations.groups import EngineGroups
-from kvstore.integrations.plan import PagedLoad, PagedSave, StateSave, StepPlan, describe
 from kvstore.keys import BLOCK_TOKENS, BlockKey, block_keys
 from kvstore.tier.protocols import HitSource
 from kvstore.tier.records import HitAnswer, HitRequest

@@ -27,8 +27,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from kvstore.engine.kvlayout import KVLayout, LayerBytes
 from kvstore.errors import ConfigError
-from kvstore.gpu.kvlayout import KVLayout, LayerBytes
 from kvstore.hitplan import EXACT_WINDOW, FULL_ATTENTION
 from kvstore.tier.records import Layout
 

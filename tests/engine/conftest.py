@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from kvstore.engine.kvlayout import KVLayout
+from kvstore.engine.staging import StagingArea
 from kvstore.geometry import GeometryConfig
-from kvstore.gpu.kvlayout import KVLayout
-from kvstore.gpu.staging import StagingArea
 from kvstore.keys import BlockKey, block_keys
 from kvstore.tier.files import DirectoryTier
 

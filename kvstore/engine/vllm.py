@@ -2,15 +2,15 @@
 
     python -m vllm.entrypoints.openai.api_server --model MODEL --block-size 128 \\
         --kv-transfer-config '{"kv_connector": "KVStoreConnector",
-                               "kv_connector_module_path": "kvstore.integrations.vllm",
+                               "kv_connector_module_path": "kvstore.engine.vllm",
                                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                                "kv_connector_extra_config": {"address": "127.0.0.1:50051"}}'
 
 vLLM builds the connector twice: the SCHEDULER role (in the engine core) plans, the WORKER role
 (next to the model) moves bytes. Both are thin maps of vLLM's objects onto the engine-neutral
-core: ``kvstore.integrations.scheduler`` (``PagedScheduler``), ``kvstore.integrations.worker``
-(``PagedWorker``) and ``kvstore.integrations.groups`` (``EngineGroups``: what goes to which tier);
-the extra config is ``kvstore.integrations.settings.ConnectorSettings``. This is the only module
+core: ``kvstore.engine.scheduler`` (``PagedScheduler``), ``kvstore.engine.worker``
+(``PagedWorker``) and ``kvstore.engine.groups`` (``EngineGroups``: what goes to which tier);
+the extra config is ``kvstore.engine.settings.ConnectorSettings``. This is the only module
 of kvstore that imports vLLM.
 
 - Dense models (one full-attention group) and hybrid models (full attention plus sliding-window
@@ -48,12 +48,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.api.client import ClientFactory
+from kvstore.engine.groups import FULL, SLIDING, CacheGroup, EngineGroups
+from kvstore.engine.plan import StepPlan, describe
+from kvstore.engine.scheduler import PagedScheduler
+from kvstore.engine.settings import ConnectorSettings, EngineLayout, engine_fingerprint
+from kvstore.engine.worker import PagedWorker
 from kvstore.errors import ConfigError
-from kvstore.integrations.groups import FULL, SLIDING, CacheGroup, EngineGroups
-from kvstore.integrations.plan import StepPlan, describe
-from kvstore.integrations.scheduler import PagedScheduler
-from kvstore.integrations.settings import ConnectorSettings, EngineLayout, engine_fingerprint
-from kvstore.integrations.worker import PagedWorker
 from kvstore.keys import BLOCK_TOKENS
 
 if TYPE_CHECKING:

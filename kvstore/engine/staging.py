@@ -13,7 +13,7 @@ list. A load's region is laid out by ``StageLayout``::
 one transfer, and a layer can be published (its ready word set to the job id) while later layers
 are still being written. Readiness is written in the shared memory itself (so either side can
 inspect it, and a stale word from an earlier job in the same region never matches) and announced
-through a pipe (``kvstore.gpu.fetcher``), whose system calls also order the data writes before
+through a pipe (``kvstore.engine.fetcher``), whose system calls also order the data writes before
 the reader's loads.
 
 Status of a block or of the state: PENDING, OK (bytes are exactly what the tier returned) or
@@ -32,8 +32,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kvstore.engine.kvlayout import KVLayout
 from kvstore.errors import InvalidArgument, StagingFull
-from kvstore.gpu.kvlayout import KVLayout
 
 PENDING = 0
 OK = 1

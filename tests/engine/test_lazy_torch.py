@@ -1,5 +1,5 @@
 """torch is the ``gpu`` extra: importing kvstore, its CLI or the engine-side modules never loads
-it (the fetcher process imports ``kvstore.gpu.fetcher`` and must stay light)."""
+it (the fetcher process imports ``kvstore.engine.fetcher`` and must stay light)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import sys
 
 MODULES = [
     "kvstore.cli",
-    "kvstore.gpu",
-    "kvstore.integrations.scheduler",
-    "kvstore.integrations.worker",
-    "kvstore.integrations.groups",
-    "kvstore.integrations.settings",
-    "kvstore.integrations.tiny_model",
-    "kvstore.gpu.fetcher",
-    "kvstore.gpu.staging",
-    "kvstore.gpu.swapin",
-    "kvstore.gpu.pools",
-    "kvstore.gpu.save",
+    "kvstore.engine",
+    "kvstore.engine.scheduler",
+    "kvstore.engine.worker",
+    "kvstore.engine.groups",
+    "kvstore.engine.settings",
+    "kvstore.engine.tiny_model",
+    "kvstore.engine.fetcher",
+    "kvstore.engine.staging",
+    "kvstore.engine.swapin",
+    "kvstore.engine.save",
+    "kvstore.engine.rows",
     "kvstore.tier.files",
     "kvstore.tier.cluster",
 ]

@@ -6,6 +6,8 @@ seconds and hundreds of MB, and most users of the store never touch a device.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -45,3 +47,19 @@ def index_tensor(array: Any, device: Any) -> Any:
     if getattr(device, "type", str(device)).startswith("cuda"):
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor
+
+
+def engine_thread(name: str, serve: Callable[[], None]) -> threading.Thread:
+    """Start a daemon thread that runs ``serve`` inside inference mode. Engines run their forward
+    in inference mode, so their KV cache (and the host buffers made on their thread) are
+    inference tensors, which another thread may write only inside inference mode (it is per
+    thread)."""
+    torch = torch_module()
+
+    def run() -> None:
+        with torch.inference_mode():
+            serve()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,387 @@
+"""The connector's worker side: the bytes of a ``StepPlan`` moved between the tier and the cache.
+
+Loads are fetched by the fetcher process (``kvstore.engine.fetcher``: it reads, checks and
+stages them in /dev/shm, layer by layer) and copied into the engine's rows by swap-in
+(``kvstore.engine.swapin``: its own thread, a side stream on CUDA):
+
+- a **step load** (a dense model) is waited for layer by layer: ``wait_layer(i)``, just before
+  layer i runs, returns once layer i is in, so the fetch and copy of later layers overlap the
+  compute of earlier ones; a block that did not arrive intact is never written and is reported
+  by ``load_errors`` (the engine recomputes it);
+- an **asynchronous load** (a hybrid model: its request waits until the load is done) is all or
+  nothing: any block or the window state missing fails the whole load (``finished_loading``
+  reports it) and the engine recomputes the request.
+
+Saves are gathered layer by layer by the save gather (``kvstore.engine.save``: its own thread,
+a side stream on CUDA) as each layer is computed (``save_layer``); the ``kvstore-put`` thread
+assembles the payloads (layer-major) and puts them. A decode-time window state is held until its
+request ends, then put (only the last one). Past ``max_pending_save_bytes`` a save is dropped,
+never waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstore.engine.fetcher import Fetcher, StagedFetch
+from kvstore.engine.groups import EngineGroups
+from kvstore.engine.plan import PagedLoad, PagedSave, StateSave, StepPlan, describe
+from kvstore.engine.rows import KVRows, as_ids
+from kvstore.engine.save import Gatherer, SaveBatch, SaveRows
+from kvstore.engine.staging import StagingArea
+from kvstore.engine.swapin import LayerLoad, LoadResult, LoadTarget, SwapIn
+from kvstore.errors import KVStoreError, LoadTimeout
+from kvstore.tier.protocols import ReaderFactory, TierWriter
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+#: A tier that is down fails every save; say so at most this often.
+_SAVE_WARNING_EVERY_S = 30.0
+
+
+@dataclass
+class WorkerStats:
+    """Figures a benchmark reads: what moved and how long the forward waited for it."""
+
+    loads: int = 0
+    blocks_loaded: int = 0
+    blocks_failed: int = 0
+    bytes_loaded: int = 0
+    #: Window states loaded and their bytes (a hybrid model's sliding layers).
+    states_loaded: int = 0
+    state_bytes_loaded: int = 0
+    loads_failed: int = 0
+    #: Seconds from a load's start to its last layer being copied in.
+    load_seconds: float = 0.0
+    #: Seconds from a load's start until the fetcher had staged its first layer (the tier's
+    #: read: every block is read before any layer is published) and its last layer.
+    read_seconds: float = 0.0
+    staged_seconds: float = 0.0
+    #: Seconds the forward spent waiting in ``wait_layer`` (the part not hidden by compute).
+    wait_seconds: float = 0.0
+    blocks_saved: int = 0
+    states_saved: int = 0
+    saves_dropped: int = 0
+    saves_failed: int = 0
+
+
+@dataclass
+class _Load:
+    load: PagedLoad
+    staged: StagedFetch | None
+    handle: LayerLoad | None
+    started: float
+
+
+class PagedWorker:
+    """The byte-moving half over per-layer block tensors (``[num_blocks, ...]`` each, block
+    rows contiguous; any dtype: rows are copied as bytes), in the order ``groups`` names the
+    layers (None: every layer is full attention)."""
+
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        reader_factory: ReaderFactory,
+        writer: TierWriter,
+        *,
+        groups: EngineGroups | None = None,
+        staging_bytes: int,
+        staging_dir: str = "/dev/shm",
+        layer_timeout_s: float = 30.0,
+        max_pending_save_bytes: int = 256 * 1024 * 1024,
+    ) -> None:
+        self.rows = KVRows.of(layers, groups)
+        self.kv = self.rows.kv
+        self.num_blocks = self.rows.num_blocks
+        self._layer_timeout = layer_timeout_s
+        self._max_pending_bytes = max_pending_save_bytes
+        self._writer = writer
+        self.area = StagingArea(staging_bytes, staging_dir)
+        try:
+            self.fetcher = Fetcher(reader_factory, self.area, self.kv)
+        except BaseException:
+            self.area.close()
+            raise
+        self.swapin = SwapIn(self.rows, area=self.area, layer_timeout_s=layer_timeout_s)
+        self.gatherer = Gatherer(self.rows)
+        self.stats = WorkerStats()
+        self._step_loads: list[_Load] = []
+        self._async_loads: list[_Load] = []
+        self._batch: SaveBatch | None = None
+        self._saves: list[PagedSave] = []
+        self._errors: set[int] = set()
+        #: Asynchronous loads finished since the engine last asked (all of them / the failed).
+        self._loaded: set[str] = set()
+        self._load_failed: set[str] = set()
+        self._gathered: dict[str, int] = {}
+        self._awaiting: dict[str, int] = {}
+        self._held: dict[str, tuple[StateSave, bytes]] = {}
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self._save_warned = -_SAVE_WARNING_EVERY_S
+        #: (a sealed batch, its admitted saves by index in the batch), or a request that ended.
+        self._queue: queue.Queue[tuple[SaveBatch, list[tuple[int, PagedSave]]] | str | None] = (
+            queue.Queue()
+        )
+        self._put_thread = threading.Thread(target=self._put_loop, name="kvstore-put", daemon=True)
+        self._put_thread.start()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv.block_bytes
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def start(self, plan: StepPlan) -> None:
+        """Begin this step: send its loads to the fetcher and swap-in, open its saves."""
+        now = time.perf_counter()
+        for load in plan.loads:
+            target = LoadTarget(
+                load.request_id,
+                self.rows.check_ids(load.block_ids, "block_ids"),
+                tuple(self.rows.check_ids(w, "windows") for w in load.windows),
+                whole=load.asynchronous,
+            )
+            try:
+                staged = self.fetcher.submit(
+                    load.keys,
+                    lease_id=load.lease_id,
+                    state_key=load.state_key,
+                    state_position=load.state_position,
+                )
+            except KVStoreError as error:  # no room, no fetcher: recompute, nothing written
+                log.warning("load of %s not started: %s", load.request_id, error)
+                self._account(_Load(load, None, None, now), None)
+                continue
+            entry = _Load(load, staged, self.swapin.submit(staged, target), now)
+            (self._async_loads if load.asynchronous else self._step_loads).append(entry)
+        self._saves = list(plan.saves)
+        self._batch = self.gatherer.begin([self._rows_of(save) for save in plan.saves])
+        self._awaiting.update(plan.finished)
+        for request in plan.ended:
+            self._queue.put(request)  # after the request's saves already queued
+
+    def _rows_of(self, save: PagedSave) -> SaveRows:
+        windows = save.state.windows if save.state is not None else ()
+        return SaveRows(as_ids(save.block_ids), tuple(as_ids(w) for w in windows))
+
+    def wait_layer(self, layer: int) -> None:
+        """Before ``layer`` runs: its rows of every step load are in the cache (or reported as
+        load errors when the load failed)."""
+        started = time.perf_counter()
+        for entry in self._step_loads:
+            if entry.handle is None:
+                continue
+            try:
+                entry.handle.wait(layer, self._layer_timeout * (layer + 1))
+            except LoadTimeout as error:
+                log.warning("load of %s abandoned: %s", entry.load.request_id, error)
+                entry.handle.abandon()
+                self._account(entry, None)
+                entry.handle = None
+        self.stats.wait_seconds += time.perf_counter() - started
+
+    def save_layer(self, layer: int) -> None:
+        """``layer`` is computed: gather its rows of this step's saves (off this thread)."""
+        if self._batch is not None:
+            self._batch.gather_layer(layer)
+
+    def finish_step(self) -> None:
+        """End of the forward: finish this step's loads, hand its saves to the put thread."""
+        for entry in self._step_loads:
+            if entry.handle is not None:
+                self.wait_layer(self.kv.num_layers - 1)
+                self._account(entry, entry.handle.result())
+        self._step_loads = []
+        batch, saves = self._batch, self._saves
+        self._batch, self._saves = None, []
+        if batch is None:
+            return
+        batch.seal()
+        queued = []
+        for index, save in enumerate(saves):
+            self._gathered[save.request_id] = self._gathered.get(save.request_id, 0) + 1
+            if not batch.complete(index):
+                log.warning("save of %s skipped: not every layer ran", save.request_id)
+            elif self._admit(save):
+                queued.append((index, save))
+        if queued:
+            self._queue.put((batch, queued))
+
+    def _account(self, entry: _Load, result: LoadResult | None) -> None:
+        """Stats and load errors of a finished load (``result`` None: it never ran)."""
+        stats, load = self.stats, entry.load
+        stats.loads += 1
+        if result is None or result.error is not None:
+            if result is not None:
+                log.warning("load of %s failed: %s", load.request_id, result.error)
+            stats.loads_failed += 1
+            stats.blocks_failed += len(load.block_ids)
+            with self._lock:
+                if load.asynchronous:
+                    self._load_failed.add(load.request_id)
+                else:
+                    self._errors.update(load.block_ids)
+            return
+        with self._lock:
+            self._errors.update(result.failed_block_ids)
+            if load.asynchronous:
+                self._loaded.add(load.request_id)
+        stats.blocks_loaded += result.blocks_loaded
+        stats.blocks_failed += len(result.failed_block_ids)
+        stats.bytes_loaded += result.blocks_loaded * self.kv.block_bytes
+        if result.state_loaded:
+            stats.states_loaded += 1
+            stats.state_bytes_loaded += self.kv.state_bytes
+        stats.load_seconds += time.perf_counter() - entry.started
+        staged = entry.staged
+        first, last = (staged.staged_at[0], staged.staged_at[-1]) if staged else (None, None)
+        if first is not None and last is not None:
+            stats.read_seconds += first - entry.started
+            stats.staged_seconds += last - entry.started
+
+    def _save_bytes(self, save: PagedSave) -> int:
+        return len(save.block_ids) * self.kv.block_bytes + (
+            self.kv.state_bytes if save.state is not None else 0
+        )
+
+    def _admit(self, save: PagedSave) -> bool:
+        size = self._save_bytes(save)
+        with self._lock:
+            if self._pending_bytes + size > self._max_pending_bytes:
+                self.stats.saves_dropped += len(save.block_ids) + (save.state is not None)
+                return False
+            self._pending_bytes += size
+        return True
+
+    # --- the put thread ----------------------------------------------------------------------
+
+    def _put_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                if isinstance(item, str):
+                    self._put_held(item)
+                else:
+                    batch, queued = item
+                    for index, save in queued:
+                        self._put_one(batch, index, save)
+            finally:
+                self._queue.task_done()
+
+    def _put_one(self, batch: SaveBatch, index: int, save: PagedSave) -> None:
+        try:
+            self._put(save, batch.host_rows(index))
+        except Exception as error:  # noqa: BLE001 - a failed save is a future miss
+            self._save_failed(len(save.keys) + (save.state is not None), error)
+        finally:
+            with self._lock:
+                self._pending_bytes -= self._save_bytes(save)
+
+    def _save_failed(self, count: int, error: Exception) -> None:
+        self.stats.saves_failed += count
+        now = time.monotonic()
+        if now - self._save_warned >= _SAVE_WARNING_EVERY_S:
+            self._save_warned = now
+            log.warning(
+                "kvstore save failed (%s); %d saves failed so far",
+                describe(error),
+                self.stats.saves_failed,
+            )
+
+    def _put(self, save: PagedSave, rows: dict[int, np.ndarray]) -> None:
+        """Assemble the payloads (layer-major) and put them (here, off the engine's thread)."""
+        if save.block_ids:
+            layers = [rows[layer] for layer in self.kv.block_layers]
+            payloads = [
+                b"".join(layer[i].tobytes() for layer in layers) for i in range(len(save.keys))
+            ]
+            answer = self._writer.put_blocks(list(save.keys), payloads, save.traffic_class)
+            self.stats.blocks_saved += answer.committed
+            self.stats.saves_failed += len(answer.failed_keys)
+        state = save.state
+        if state is None:
+            return
+        payload = b"".join(rows[layer].tobytes() for layer in self.kv.state_layers)
+        if state.hold:
+            self._held[save.request_id] = (state, payload)  # the last one is put at the end
+            return
+        self._put_state(state, payload)
+
+    def _put_state(self, state: StateSave, payload: bytes) -> None:
+        self._writer.put_swa_state(
+            state.key, state.position, payload, state_bytes=self.kv.state_bytes
+        )
+        self.stats.states_saved += 1
+
+    def _put_held(self, request: str) -> None:
+        held = self._held.pop(request, None)
+        if held is None:
+            return
+        try:
+            self._put_state(*held)
+        except Exception as error:  # noqa: BLE001 - a failed save is a future miss
+            self._save_failed(1, error)
+
+    # --- what the engine asks after a step ---------------------------------------------------
+
+    def load_errors(self) -> set[int]:
+        """Engine blocks of step loads that failed since the last call: recompute them."""
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    def finished_loading(self) -> tuple[set[str], set[str]]:
+        """(asynchronous loads finished since the last call — failed ones included —, the
+        failed ones): a failed one's request is recomputed from its start."""
+        still = []
+        for entry in self._async_loads:
+            if entry.handle is not None and entry.handle.done():
+                self._account(entry, entry.handle.result())
+            else:
+                still.append(entry)
+        self._async_loads = still
+        with self._lock:
+            done, failed = self._loaded | self._load_failed, self._load_failed
+            self._loaded, self._load_failed = set(), set()
+        return done, failed
+
+    def finished_saving(self) -> set[str]:
+        """Finished requests whose saves have all been gathered: free their blocks now."""
+        done = {r for r, n in self._awaiting.items() if self._gathered.get(r, 0) >= n}
+        for request in done:
+            del self._awaiting[request]
+            self._gathered.pop(request, None)
+        return done
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every handed-out save has been put (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._pending_bytes == 0 and self._queue.unfinished_tasks == 0:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        self.flush(timeout=10.0)
+        self.swapin.close(timeout=10.0)
+        self.gatherer.close(timeout=10.0)
+        self._queue.put(None)
+        self._put_thread.join(timeout=10.0)
+        self.fetcher.close()
+        self.area.close()

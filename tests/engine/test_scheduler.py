@@ -1,0 +1,136 @@
+"""Scheduler side: what the connector asks the tier and decides per request, with no tensors.
+
+The tier is real checksummed files (``DirectoryTier``) or a gRPC client to a port nobody
+listens on; the only seam moved by hand is the clock of the retry window.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from kvstore.api.client import KVStoreClient
+from kvstore.engine.groups import FULL, SLIDING, CacheGroup, EngineGroups
+from kvstore.engine.scheduler import PagedScheduler
+from kvstore.errors import ConfigError
+from kvstore.keys import BLOCK_TOKENS
+from kvstore.tier.files import DirectoryTier
+from kvstore.tier.records import Layout
+
+FINGERPRINT = b"scheduler-test".ljust(32, b"\0")
+PAGE = 8192
+NAMES = tuple(f"model.layers.{i}.attn" for i in range(4))
+
+
+@pytest.fixture
+def file_tier(tmp_path) -> DirectoryTier:
+    return DirectoryTier(tmp_path / "tier")
+
+
+def prompt_of(length: int, seed: int = 3) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(2, 1000, length)]
+
+
+def full_attention(tier) -> PagedScheduler:
+    return PagedScheduler(tier, FINGERPRINT, mode="full-attention")
+
+
+def store_blocks(tier: DirectoryTier, prompt: list[int], blocks: int) -> None:
+    keys = full_attention(tier).keys(prompt, blocks)
+    tier.put_blocks(keys, [bytes([i]) * 64 for i in range(blocks)])
+
+
+def test_hits_are_whole_blocks_and_leave_one_token_to_compute(file_tier) -> None:
+    prompt = prompt_of(3 * BLOCK_TOKENS + 1)
+    store_blocks(file_tier, prompt, 3)
+    s = full_attention(file_tier)
+    assert s.matched_tokens("short", prompt[:100], 0) == 0
+    assert s.matched_tokens("exact", prompt[:256], 0) == 128  # 256 would leave nothing to run
+    assert s.matched_tokens("plus1", prompt[:257], 0) == 256
+    assert s.matched_tokens("local", prompt[:385], 128) == 256  # the engine has block 0 itself
+    with pytest.raises(Exception, match="whole"):
+        s.matched_tokens("odd", prompt, 100)
+
+
+def allocated_hit(tier: DirectoryTier) -> tuple[PagedScheduler, list[int]]:
+    """A 300-token prompt whose two full blocks are in the tier, matched and allocated
+    to blocks 3, 4, 5."""
+    prompt = prompt_of(300)
+    store_blocks(tier, prompt, 2)
+    s = full_attention(tier)
+    assert s.matched_tokens("r", prompt, 0) == 256
+    s.allocated("r", [3, 4, 5], 256)
+    return s, prompt
+
+
+def test_a_hit_becomes_one_load_of_the_blocks_the_engine_allocated(file_tier) -> None:
+    s, prompt = allocated_hit(file_tier)
+    s.step("r", prompt, len(prompt), table=[3, 4, 5])
+    plan = s.build()
+    (load,) = plan.loads
+    assert load.block_ids == (3, 4) and load.keys == tuple(bytes(k) for k in s.keys(prompt, 2))
+    assert not load.asynchronous and load.windows == ()
+    assert plan.saves == []  # what it loaded is in the tier already; the tail is not full
+
+
+def test_a_load_dropped_before_its_step_is_not_sent(file_tier) -> None:
+    s, _ = allocated_hit(file_tier)
+    assert s.finished("r") is False
+    assert s.build().loads == []
+
+
+def test_a_tier_that_does_not_answer_is_a_miss_and_is_left_alone_for_a_while() -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    now = [0.0]
+    client = KVStoreClient(f"127.0.0.1:{port}", timeout_s=1.0)
+    try:
+        s = PagedScheduler(
+            client, FINGERPRINT, mode="full-attention", retry_after_s=5, clock=lambda: now[0]
+        )
+        prompt = prompt_of(600)
+        assert [s.matched_tokens(f"r{i}", prompt, 0) for i in range(3)] == [0, 0, 0]
+        assert (s.lookups, s.lookup_failures) == (1, 1)  # asked once, then left alone
+        now[0] = 6.0
+        assert s.matched_tokens("later", prompt, 0) == 0
+        assert (s.lookups, s.lookup_failures) == (2, 2)
+    finally:
+        client.close()
+
+
+def test_groups_say_what_goes_where_and_refuse_what_cannot_be_served_exactly() -> None:
+    groups = EngineGroups(
+        BLOCK_TOKENS, PAGE, NAMES, (CacheGroup(SLIDING, (0, 2), 128), CacheGroup(FULL, (1, 3)))
+    )
+    assert groups.hybrid and groups.hit_mode == "exact-window"
+    assert (groups.full_group, groups.sliding_groups, groups.window_blocks) == (1, (0,), 1)
+    assert groups.block_bytes == 2 * PAGE and groups.state_bytes == 2 * PAGE
+    kv = groups.kv_layout()
+    assert kv.block_layers == (1, 3) and kv.state_layers == (0, 2)
+    assert groups.layout(FINGERPRINT) == Layout(FINGERPRINT, 2 * PAGE, 2 * PAGE)
+    wide = EngineGroups(
+        BLOCK_TOKENS, PAGE, NAMES[:2], (CacheGroup(SLIDING, (0,), 300), CacheGroup(FULL, (1,)))
+    )
+    assert wide.window_blocks == 3  # 299 earlier tokens span three blocks
+    with pytest.raises(ConfigError, match="exactly one full-attention"):
+        EngineGroups(
+            BLOCK_TOKENS, PAGE, NAMES[:2], (CacheGroup(FULL, (0,)), CacheGroup(FULL, (1,)))
+        )
+    with pytest.raises(ConfigError, match="cannot serve mamba"):
+        EngineGroups(
+            BLOCK_TOKENS, PAGE, NAMES[:2], (CacheGroup(FULL, (0,)), CacheGroup("mamba", (1,)))
+        )
+    with pytest.raises(ConfigError, match="one sliding window"):
+        EngineGroups(
+            BLOCK_TOKENS,
+            PAGE,
+            NAMES[:3],
+            (
+                CacheGroup(SLIDING, (0,), 128),
+                CacheGroup(SLIDING, (1,), 512),
+                CacheGroup(FULL, (2,)),
+            ),
+        )
