@@ -1,7 +1,7 @@
 """Session-wide fixtures shared by every test file.
 
 ``ray_cluster``: ONE real local Ray cluster per pytest process (head without CPUs + 3 machines,
-loopback only, short health checks so a machine removed without notice is declared dead in ~2 s).
+loopback only; a machine removed without notice is declared dead in ~6 s).
 It starts lazily, the first time a test asks for it, and stops at the end of the session. Tests
 that remove machines must ``add_machine()`` their own first and remove only those; tests that
 create actors should kill them when done (the cluster outlives the test).
