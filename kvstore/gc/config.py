@@ -29,7 +29,8 @@ DAY = 86400.0
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "gc" / "gc.toml"
 #: The built-in policy (the same as ``gc/gc.toml``): TTL per traffic class, in class-id order
 #: (a block's class id is the position of its class here and in ``BlockStoreConfig``), and the
-#: lease a reader gets. The block tier's defaults are taken from these, so they are stated once.
+#: lease a reader gets. ``BlockStoreConfig`` states the same as its own defaults (it imports no GC;
+#: ``ServiceConfig`` hands it a deployment's policy).
 DEFAULT_TTL: tuple[tuple[str, float], ...] = (
     ("default", 1 * DAY),
     ("agent", 3 * DAY),
