@@ -13,17 +13,14 @@ from typing import Any, Literal
 from kvstore import envconfig  # the one environment loader
 from kvstore.errors import ConfigError
 
+# The built-in policy, for a tier built alone (tests, tools); a deployment's comes from its GC
+# policy, handed over by ``kvstore.config.ServiceConfig``.
+from kvstore.traffic import DEFAULT_CLASSES, DEFAULT_LEASE_S, DEFAULT_REPAIR_ORDER
+
 FsyncPolicy = Literal["always", "batch", "never"]
 _FSYNC_POLICIES = ("always", "batch", "never")
 _ENV_PREFIX = "KVSTORE_BLOCKSTORE_"
 _MIB = 1024 * 1024
-#: The tier's defaults when built alone (tests, tools). A deployment's come from its GC policy,
-#: handed over by ``kvstore.config.ServiceConfig`` (this module imports no GC): the traffic
-#: classes in class-id order, the lease, and the repair order (the classes by TTL, longest
-#: first). They equal the GC's built-in policy (``tests/unit/test_service_config.py``).
-DEFAULT_CLASSES: tuple[str, ...] = ("default", "agent", "chatbot")
-DEFAULT_LEASE_S = 30.0
-DEFAULT_REPAIR_ORDER: tuple[str, ...] = ("chatbot", "agent", "default")
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -11,8 +11,9 @@ from pathlib import Path
 from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.clock import SystemClock
 from kvstore.errors import InvalidArgument, KVStoreError, StoreError
-from kvstore.gc.config import DAY, DEFAULT_PATH, GCConfig
+from kvstore.gc.config import DEFAULT_PATH, GCConfig
 from kvstore.gc.planner import GCPlan, plan_index
+from kvstore.traffic import DAY
 
 NAME = "gc"
 HELP = "show (--dry-run) or run one GC pass: TTL expiry per class, LRU eviction by watermark"

@@ -11,9 +11,10 @@ from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.config import ServiceConfig
 from kvstore.envconfig import from_env
 from kvstore.errors import ConfigError
-from kvstore.gc.config import DEFAULT_CLASSES, DEFAULT_LEASE_S, DEFAULT_TTL, GCConfig
+from kvstore.gc.config import GCConfig
 from kvstore.geometry import GeometryConfig
 from kvstore.swa.config import SWAConfig
+from kvstore.traffic import DEFAULT_CLASSES, DEFAULT_LEASE_S, DEFAULT_TTL
 
 
 def test_the_block_tier_defaults_agree_with_the_built_in_policy() -> None:
