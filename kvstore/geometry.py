@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore import envconfig  # the one environment loader
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.keys import BLOCK_TOKENS
 
@@ -349,9 +350,7 @@ class GeometryConfig:
         ``{prefix}NUM_STATE_SEQS``, ``{prefix}DECODE_SNAPSHOT_OVERRUN``; unset ones take the
         defaults. The only env read in kvstore's
         geometry."""
-        from kvstore.config import from_env  # the one environment loader
-
-        return from_env(cls, prefix, environ, lower=_NAME_FIELDS)
+        return envconfig.from_env(cls, prefix, environ, lower=_NAME_FIELDS)
 
     def to_dict(self) -> dict[str, Any]:
         """The config fields (JSON-ready); ``from_dict(to_dict())`` gives an equal config."""

@@ -10,8 +10,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
+from kvstore import envconfig  # the one environment loader
 from kvstore.errors import ConfigError
-from kvstore.gc.config import DEFAULT_CLASSES, DEFAULT_LEASE_S, DEFAULT_TTL
+
+# The built-in policy, for a tier built alone (tests, tools); a deployment's comes from its GC
+# policy, handed over by ``kvstore.config.ServiceConfig``.
+from kvstore.traffic import DEFAULT_CLASSES, DEFAULT_LEASE_S, DEFAULT_REPAIR_ORDER
 
 FsyncPolicy = Literal["always", "batch", "never"]
 _FSYNC_POLICIES = ("always", "batch", "never")
@@ -247,13 +251,11 @@ class BlockStoreConfig:
 
     def repair_rank(self) -> list[int]:
         """Repair priority of each class id (0 = repaired first among stripes that lost as
-        many shards): ``repair_class_order``, or the built-in TTLs longest first, then the
-        remaining classes in id order."""
+        many shards): ``repair_class_order``, or ``DEFAULT_REPAIR_ORDER`` (the built-in TTLs
+        longest first), then the remaining classes in id order."""
         order = list(self.repair_class_order)
         if not order:
-            ttl = dict(DEFAULT_TTL)
-            known = [name for name in self.traffic_classes if name in ttl]
-            order = sorted(known, key=lambda name: -ttl[name])
+            order = [name for name in DEFAULT_REPAIR_ORDER if name in self.traffic_classes]
         order += [name for name in self.traffic_classes if name not in order]
         return [order.index(name) for name in self.traffic_classes]
 
@@ -283,6 +285,4 @@ class BlockStoreConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> BlockStoreConfig:
         """``KVSTORE_BLOCKSTORE_<FIELD>`` (upper case) overrides; ``..._NODE_<FIELD>`` for the
         storage node part; ``..._TRAFFIC_CLASSES`` is comma-separated."""
-        from kvstore.config import from_env  # the one environment loader (it imports this)
-
-        return from_env(cls, _ENV_PREFIX, environ)
+        return envconfig.from_env(cls, _ENV_PREFIX, environ)

@@ -49,7 +49,6 @@ from types import ModuleType
 from typing import Literal
 
 import numpy as np
-import pyarrow as pa
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, key_words, words_to_keys
@@ -79,7 +78,6 @@ _GROWTH = 1.25
 _HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
 
 TimeBasis = Literal["last_access", "created"]
-SNAPSHOT_FORMAT = "kvstore.block_index.v1"
 
 
 @dataclass(frozen=True)
@@ -748,18 +746,3 @@ class BlockIndex:
         for class_id in range(num_classes):
             result[class_id] = values[classes == class_id].sum(dtype=np.int64)
         return result
-
-    # --- snapshots (kvstore.blockstore.indexsnapshot) ------------------------------------
-
-    def to_table(self) -> pa.Table:
-        """Every live block as a pyarrow Table (one row per block, rows in ascending order)."""
-        from kvstore.blockstore.indexsnapshot import index_to_table
-
-        return index_to_table(self)
-
-    @classmethod
-    def from_table(cls, table: pa.Table) -> BlockIndex:
-        """Rebuild an index from ``to_table``'s output (row numbers are not preserved)."""
-        from kvstore.blockstore.indexsnapshot import index_from_table
-
-        return index_from_table(cls, table)

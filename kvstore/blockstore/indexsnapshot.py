@@ -1,54 +1,52 @@
 """A block index as a pyarrow table and back: the snapshot format the GC's dry run, a meta
-shard's rebuild and ``kvstore gc --dry-run`` read and write (``BlockIndex.to_table`` /
-``from_table`` delegate here). It reads the index's columns directly: it is the index's own
-serialisation, kept apart so the index module stays about lookups and updates."""
+shard's rebuild and ``kvstore gc --dry-run`` read and write (``index_to_table`` /
+``index_from_table``). It reads the index's columns directly: it is the index's own
+serialisation, kept apart so the index module stays about lookups and updates (the index does
+not know this module)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
-from kvstore.blockstore.index import _NO_NODE, SNAPSHOT_FORMAT
+from kvstore.blockstore.index import _NO_NODE, BlockIndex
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES
 
-if TYPE_CHECKING:
-    from kvstore.blockstore.index import BlockIndex
+SNAPSHOT_FORMAT = "kvstore.block_index.v1"
 
 
-def index_to_table(self: BlockIndex) -> pa.Table:
+def index_to_table(index: BlockIndex) -> pa.Table:
     """Every live block as a pyarrow Table (one row per block, rows in ascending order)."""
-    rows = self.live_rows()
-    placement = self._placement[rows].astype(np.int32)
+    rows = index.live_rows()
+    placement = index._placement[rows].astype(np.int32)
     placement[placement == _NO_NODE] = -1
     keys = pa.FixedSizeBinaryArray.from_buffers(
-        pa.binary(KEY_BYTES), len(rows), [None, pa.py_buffer(self._key[rows].tobytes())]
+        pa.binary(KEY_BYTES), len(rows), [None, pa.py_buffer(index._key[rows].tobytes())]
     )
     placements = pa.FixedSizeListArray.from_arrays(
-        pa.array(placement.reshape(-1), type=pa.int32()), self._width
+        pa.array(placement.reshape(-1), type=pa.int32()), index._width
     )
     schema_metadata = {
         b"format": SNAPSHOT_FORMAT.encode(),
-        b"stripe_width": b"%d" % self._width,
+        b"stripe_width": b"%d" % index._width,
     }
     return pa.table(
         {
             "key": keys,
             "placement": placements,
-            "size": pa.array(self._size[rows].astype(np.int64)),
-            "class": pa.array(self._class[rows]),
-            "created": pa.array(self._created[rows].astype(np.float64)),
-            "last_access": pa.array(self._last[rows]),
-            "lease_until": pa.array(self._lease_until[rows].astype(np.float64)),
-            "lease_count": pa.array(self._lease_count[rows].astype(np.int32)),
+            "size": pa.array(index._size[rows].astype(np.int64)),
+            "class": pa.array(index._class[rows]),
+            "created": pa.array(index._created[rows].astype(np.float64)),
+            "last_access": pa.array(index._last[rows]),
+            "lease_until": pa.array(index._lease_until[rows].astype(np.float64)),
+            "lease_count": pa.array(index._lease_count[rows].astype(np.int32)),
         }
     ).replace_schema_metadata(schema_metadata)
 
 
-def index_from_table(cls: type[BlockIndex], table: pa.Table) -> BlockIndex:
-    """Rebuild an index from ``to_table``'s output (row numbers are not preserved)."""
+def index_from_table(table: pa.Table) -> BlockIndex:
+    """Rebuild an index from ``index_to_table``'s output (row numbers are not preserved)."""
     required = (
         "key",
         "placement",
@@ -74,7 +72,7 @@ def index_from_table(cls: type[BlockIndex], table: pa.Table) -> BlockIndex:
     ):
         raise InvalidArgument("table.key", f"must be fixed_size_binary({KEY_BYTES})")
     n = table.num_rows
-    index = cls(stripe_width=width, initial_capacity=max(1, n))
+    index = BlockIndex(stripe_width=width, initial_capacity=max(1, n))
     if n == 0:
         return index
     key_column = table.column("key").combine_chunks()

@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.blockstore.index import BlockIndex, BlockRecords
+from kvstore.blockstore.indexsnapshot import index_from_table, index_to_table
 from kvstore.blockstore.placement import meta_shard_of
 from kvstore.blockstore.records import MissReason, PutStatus, RemovedBlock, StripeRecord
 from kvstore.blockstore.repairqueue import RepairQueue
@@ -597,7 +598,7 @@ class MetaShard:
         the rebuild ran are kept as they are. Returns the number of blocks restored."""
         if not self._rebuilding:
             return 0
-        live_table = self._index.to_table()
+        live_table = index_to_table(self._index)
         known = set(live_table.column("key").to_pylist()) if live_table.num_rows else set()
         keys: list[bytes] = []
         placements: list[list[int]] = []
@@ -640,7 +641,7 @@ class MetaShard:
                     restored.cast(live_table.schema.remove_metadata()),
                 ]
             ).replace_schema_metadata(live_table.schema.metadata)
-            self._index = BlockIndex.from_table(merged)
+            self._index = index_from_table(merged)
         self._rebuilding = False
         self._lost_shards |= any(-1 in placement for placement in placements)
         self._rebuild_found = {}
@@ -710,7 +711,7 @@ class MetaShard:
         return len(self._index)
 
     def snapshot_table(self) -> pa.Table:
-        return self._index.to_table()
+        return index_to_table(self._index)
 
     def stats(self) -> dict[str, object]:
         return {

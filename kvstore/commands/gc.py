@@ -11,8 +11,9 @@ from pathlib import Path
 from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.clock import SystemClock
 from kvstore.errors import InvalidArgument, KVStoreError, StoreError
-from kvstore.gc.config import DAY, DEFAULT_PATH, GCConfig
+from kvstore.gc.config import DEFAULT_PATH, GCConfig
 from kvstore.gc.planner import GCPlan, plan_index
+from kvstore.traffic import DAY
 
 NAME = "gc"
 HELP = "show (--dry-run) or run one GC pass: TTL expiry per class, LRU eviction by watermark"
@@ -26,7 +27,7 @@ Against a running kvstore (its Ray cluster):
   kvstore gc --dry-run --address 127.0.0.1:6379      what a pass would remove now
   kvstore gc --address 127.0.0.1:6379 --json         run one pass, report what it removed
 
-Against an index snapshot (a parquet file of BlockIndex.to_table(), e.g. from a meta shard),
+Against an index snapshot (a parquet file of index_to_table(), e.g. from a meta shard),
 without a cluster:
   kvstore gc --dry-run --index-snapshot shard0.parquet --in-days 3 --capacity-bytes 2e12
 """
@@ -105,7 +106,7 @@ def _snapshot_plan(args: argparse.Namespace, config: GCConfig) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from kvstore.blockstore.index import BlockIndex
+    from kvstore.blockstore.indexsnapshot import index_from_table
 
     if not args.dry_run:
         raise InvalidArgument("--index-snapshot", "a snapshot can only be planned: add --dry-run")
@@ -122,7 +123,7 @@ def _snapshot_plan(args: argparse.Namespace, config: GCConfig) -> int:
     except (pa.ArrowException, OSError) as error:
         raise InvalidArgument("--index-snapshot", f"not a parquet file: {error}") from None
     try:
-        index = BlockIndex.from_table(table)
+        index = index_from_table(table)
     except InvalidArgument as error:
         raise InvalidArgument("--index-snapshot", str(error)) from None
     now = _when(args)

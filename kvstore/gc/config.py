@@ -18,25 +18,18 @@ from typing import Any, Literal, cast
 import numpy as np
 
 from kvstore.errors import ConfigError
+from kvstore.traffic import DAY as DAY  # re-exported: durations in days
+from kvstore.traffic import DEFAULT_LEASE_S, DEFAULT_TTL
 
 TTLBasis = Literal["last_access", "created"]
 _BASES = ("last_access", "created")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd])\s*$")
-DAY = 86400.0
 
 #: Where the policy file lives in a checkout (``gc/gc.toml`` at the top level).
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "gc" / "gc.toml"
-#: The built-in policy (the same as ``gc/gc.toml``): TTL per traffic class, in class-id order
-#: (a block's class id is the position of its class here and in ``BlockStoreConfig``), and the
-#: lease a reader gets. The block tier's defaults are taken from these, so they are stated once.
-DEFAULT_TTL: tuple[tuple[str, float], ...] = (
-    ("default", 1 * DAY),
-    ("agent", 3 * DAY),
-    ("chatbot", 7 * DAY),
-)
-DEFAULT_CLASSES = tuple(name for name, _ in DEFAULT_TTL)
-DEFAULT_LEASE_S = 30.0
+#: The built-in policy (the same as ``gc/gc.toml``) lives in ``kvstore.traffic``: TTL per
+#: traffic class in class-id order, and the lease a reader gets.
 
 
 def parse_duration(value: object, key: str) -> float:

@@ -26,7 +26,7 @@ from kvstore.blockstore.calls import meta_target, node_target
 from kvstore.blockstore.capacity import tier_usage
 from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.blockstore.fanout import Target
-from kvstore.blockstore.index import BlockIndex
+from kvstore.blockstore.indexsnapshot import index_from_table
 from kvstore.clock import SystemClock
 from kvstore.errors import InvalidArgument, StoreError
 from kvstore.gc.config import GCConfig
@@ -188,7 +188,7 @@ class LiveTier:
         )
 
     def snapshot(self) -> pa.Table:
-        """Every meta shard's index as one table (``BlockIndex.to_table`` format)."""
+        """Every meta shard's index as one table (``index_to_table`` format)."""
         handles = [self.fanout.handle(meta_target(i)) for i in self.meta_ids]
         tables = ray.get([h.snapshot_table.remote() for h in handles], timeout=300)
         metadata = tables[0].schema.metadata
@@ -207,7 +207,7 @@ class LiveTier:
         Node usage counts shard files (parity and headers included); the plan works in block
         bytes, so usage and capacity are scaled by the measured node bytes per block byte."""
         table = snapshot if snapshot is not None else self.snapshot()
-        index = BlockIndex.from_table(table)
+        index = index_from_table(table)
         used, capacity = self.usage()
         nominal = (self._nominal.data_shards + self._nominal.parity_shards) / (
             self._nominal.data_shards

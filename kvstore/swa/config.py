@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvstore import envconfig  # the one environment loader
 from kvstore.errors import ConfigError
 
 _ENV_PREFIX = "KVSTORE_SWA_"
@@ -122,6 +123,4 @@ class SWAConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> SWAConfig:
         """Read ``KVSTORE_SWA_<FIELD>`` variables (e.g. ``KVSTORE_SWA_TTL_S=120``;
         ``auto`` for the optional sizes)."""
-        from kvstore.config import from_env  # the one environment loader
-
-        return from_env(cls, _ENV_PREFIX, env)
+        return envconfig.from_env(cls, _ENV_PREFIX, env)

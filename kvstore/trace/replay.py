@@ -53,6 +53,8 @@ from kvstore.tier.records import HitRequest
 from kvstore.trace.capacity import disk_bytes_per_block
 from kvstore.trace.mooncake import TraceFacts, TraceRequest, trace_facts
 from kvstore.trace.oracle import OracleResult, check_mode, oracle_hits
+from kvstore.trace.replay_report import summarize
+from kvstore.trace.served import Served
 
 #: Payload scales ``auto`` chooses from, largest first (1/64 of a v4.1-flash block is 1,782 B).
 PAYLOAD_SCALES = (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625)
@@ -251,26 +253,6 @@ def choose_scale(work: Workload, model_bytes: int, free_disk: int) -> tuple[floa
 
 
 # --- one engine ------------------------------------------------------------------------------
-
-
-@dataclass
-class Served:
-    """What one request got from the tier (latencies in seconds; None: call not made)."""
-
-    index: int
-    at_s: float  # trace time since the first request
-    prompt_tokens: int
-    blocks: int  # full blocks of the prompt
-    planned_hit_tokens: int  # what QueryHit promised
-    hit_tokens: int  # what the engine could use (every byte checked)
-    blocks_fetched: int
-    blocks_put: int
-    load_errors: int  # hit blocks that did not load (recomputed)
-    wrong_bytes: int  # hit blocks whose bytes were wrong (never used; must be 0)
-    put_failures: int  # blocks the tier did not store
-    query_hit_s: float | None
-    get_blocks_s: float | None
-    put_blocks_s: float | None
 
 
 class ReplayEngine:
@@ -606,8 +588,6 @@ def run_replay(
     """Replay ``requests`` (timestamp order, as ``load_trace`` gives them). Returns the summary
     (``replay_report.summarize``), the per-request records and the oracles over the completed
     requests. ``stop``: set it (Ctrl-C) to end early with what was done."""
-    from kvstore.trace.replay_report import summarize
-
     stop = stop or threading.Event()
     model_bytes = model_block_bytes()
     fingerprint = GeometryConfig.from_env().fingerprint()

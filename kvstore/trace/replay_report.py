@@ -14,7 +14,7 @@ from kvstore.demo.report import _percentile_ms as percentile_ms
 from kvstore.humanize import size as human_bytes
 from kvstore.tier.records import Stats
 from kvstore.trace.oracle import OracleResult
-from kvstore.trace.replay import Served
+from kvstore.trace.served import Served
 
 #: Windows of trace time the hit rate is shown over.
 TIME_WINDOWS = 40

@@ -9,5 +9,6 @@ Modules (each imports torch; this package file does not, so ``import kvstore.cli
 - ``replay``: bounded replay error (per layer, vs s, logits) and cost vs exact recompute.
 - ``ced``: decoder-side replay on an encoder/decoder split.
 - ``preemption``: recompute after preemption with truncation off vs on.
-- ``report``: error measures and tables.
+- ``measures``: error measures (``Diff``) and timing.
+- ``report``: tables.
 """

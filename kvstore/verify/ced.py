@@ -19,8 +19,8 @@ import torch
 
 from kvstore.errors import ConfigError
 from kvstore.verify.kvstores import LinearKV
+from kvstore.verify.measures import Diff, best_wall, diff
 from kvstore.verify.model import WINDOW, CompressedKV, LayerContext, ModelConfig, V4Model, rmsnorm
-from kvstore.verify.report import Diff, best_wall, diff
 from kvstore.verify.sequence import fresh_contexts, swa_window
 
 Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.errors import ConfigError
+from kvstore.verify.measures import Diff, diff
 from kvstore.verify.model import RING_SLOTS, WINDOW, V4Model
-from kvstore.verify.report import Diff, diff
 from kvstore.verify.sequence import (
     block_kv_of,
     fresh_contexts,

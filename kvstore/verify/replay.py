@@ -18,8 +18,8 @@ import torch
 
 from kvstore.errors import ConfigError
 from kvstore.verify.ced import CEDConfig, DecoderRebuild, run_ced
+from kvstore.verify.measures import Diff, best_wall, diff
 from kvstore.verify.model import RING_SLOTS, WINDOW, LayerContext, ModelConfig, V4Model
-from kvstore.verify.report import Diff, best_wall, diff
 from kvstore.verify.sequence import (
     BlockKV,
     block_kv_of,

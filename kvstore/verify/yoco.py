@@ -25,6 +25,7 @@ import torch
 
 from kvstore.errors import ConfigError
 from kvstore.verify.kvstores import CompactKV, LinearKV, RingKV
+from kvstore.verify.measures import Diff, diff
 from kvstore.verify.model import (
     BACKTRACK,
     RING_SLOTS,
@@ -36,7 +37,6 @@ from kvstore.verify.model import (
     V4Model,
 )
 from kvstore.verify.preemption import PreemptionOutcome, preempt_and_resume
-from kvstore.verify.report import Diff, diff
 
 TRUNCATION_MODES = ("off", "mask", "compact")
 

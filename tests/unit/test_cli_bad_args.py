@@ -109,6 +109,6 @@ def test_up_reads_its_settings_from_the_environment_and_names_a_bad_one(
     variable: str, value: str
 ) -> None:
     """`kvstore up` takes every setting without a flag from the environment (one loader,
-    ``kvstore.config``); a bad one is refused before any cluster starts, by its name."""
+    ``kvstore.envconfig``); a bad one is refused before any cluster starts, by its name."""
     result = run_cli("up", "--port", "0", env={variable: value})
     assert_one_line_usage_error(result, "gc.toml" if variable == "KVSTORE_GC_FILE" else variable)

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvstore.blockstore.index import BlockIndex
+from kvstore.blockstore.indexsnapshot import index_to_table
 from kvstore.cli import main
 from kvstore.gc.config import DAY
 
@@ -41,7 +42,7 @@ def snapshot(tmp_path: Path) -> Path:
     for i, row in enumerate(rows):
         index.touch([row], T0 + i)
     path = tmp_path / "index.parquet"
-    pq.write_table(index.to_table(), path)
+    pq.write_table(index_to_table(index), path)
     return path
 
 

@@ -28,7 +28,6 @@ WIRING = (
     "kvstore.commands",
     "kvstore.demo.runner",
     "kvstore.trace.replay",  # like the demo's runner: starts the embedded tier it replays into
-    "kvstore.trace.replay_report",  # the replay's report: reads the replay's per-request records
     "kvstore.chaos",  # failure injection: kills actors and machines by their Ray handles
     "kvstore.testbed",  # the multi-host testbed: starts Ray on its hosts, like the runtime
 )

@@ -8,16 +8,29 @@ from pathlib import Path
 import pytest
 
 from kvstore.blockstore.config import BlockStoreConfig
-from kvstore.config import ServiceConfig, from_env
+from kvstore.config import ServiceConfig
+from kvstore.envconfig import from_env
 from kvstore.errors import ConfigError
-from kvstore.gc.config import DEFAULT_CLASSES, DEFAULT_LEASE_S, GCConfig
+from kvstore.gc.config import GCConfig
 from kvstore.geometry import GeometryConfig
 from kvstore.swa.config import SWAConfig
+from kvstore.traffic import DEFAULT_CLASSES, DEFAULT_LEASE_S, DEFAULT_TTL
 
 
-def test_defaults_are_stated_once_and_agree() -> None:
+def test_the_block_tier_defaults_agree_with_the_built_in_policy() -> None:
     assert BlockStoreConfig().traffic_classes == GCConfig().class_names == DEFAULT_CLASSES
     assert BlockStoreConfig().lease_seconds == GCConfig().lease_default_s == DEFAULT_LEASE_S
+    ttl = dict(DEFAULT_TTL)
+    by_ttl = tuple(sorted(ttl, key=lambda name: -ttl[name]))
+    assert (
+        BlockStoreConfig().repair_rank()
+        == BlockStoreConfig(repair_class_order=by_ttl).repair_rank()
+    )
+    assert BlockStoreConfig(traffic_classes=("chatbot", "batch", "default")).repair_rank() == [
+        0,
+        2,
+        1,
+    ]
     config = ServiceConfig.from_env({}, data_root="/tmp/kv")
     assert config.blockstore.traffic_classes == config.gc.class_names
     assert config.data_root == Path("/tmp/kv") and config.blockstore.deployment == "kvstore"

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from kvstore.errors import ConfigError, InvalidArgument  # noqa: E402
 from kvstore.verify.kvstores import CompactKV, LinearKV, RingKV  # noqa: E402
+from kvstore.verify.measures import diff  # noqa: E402
 from kvstore.verify.model import (  # noqa: E402
     RING_SLOTS,
     CompressedKV,
@@ -20,7 +21,6 @@ from kvstore.verify.model import (  # noqa: E402
     torch_settings,
     v4_layer_kinds,
 )
-from kvstore.verify.report import diff  # noqa: E402
 from kvstore.verify.sequence import fresh_contexts, ring_contexts  # noqa: E402
 from kvstore.verify.yoco import TOLERANCES  # noqa: E402
 

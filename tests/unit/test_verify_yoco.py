@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvstore.errors import ConfigError  # noqa: E402
+from kvstore.verify.measures import diff  # noqa: E402
 from kvstore.verify.model import ModelConfig, V4Model, torch_settings, v4_layer_kinds  # noqa: E402
 from kvstore.verify.preemption import preempt_and_resume  # noqa: E402
-from kvstore.verify.report import diff  # noqa: E402
 from kvstore.verify.yoco import (  # noqa: E402
     TOLERANCES,
     TruncatedRun,
