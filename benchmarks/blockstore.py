@@ -70,7 +70,7 @@ from kvstore.ec.codec import Codec  # noqa: E402
 from kvstore.geometry import GeometryConfig  # noqa: E402
 from kvstore.runtime.cluster import LocalClusterConfig, connect  # noqa: E402
 
-#: One V4 block and one SWA state (SPEC §2, §3), from the model preset.
+#: One V4 block and one SWA state (docs/rules.md §2, §3), from the model preset.
 BLOCK = GeometryConfig.default().block_bytes
 STATE = GeometryConfig.default().state_size_to_disk
 SMALL, LARGE = "111 KiB", "1.35 MiB"

@@ -35,7 +35,7 @@ from kvstore.ec import Codec
 from kvstore.geometry import GeometryConfig
 
 K, M = 10, 2
-#: One V4.1-Flash block and one SWA state (SPEC §2, §3), from the model preset.
+#: One V4.1-Flash block and one SWA state (docs/rules.md §2, §3), from the model preset.
 V41_BLOCK = GeometryConfig.default().block_bytes
 V41_STATE = GeometryConfig.default().state_size_to_disk
 SIZES = {"111 KiB": V41_BLOCK, "1.35 MiB": V41_STATE, "16 MiB": 16 * 2**20}

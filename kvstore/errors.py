@@ -70,8 +70,8 @@ class LayoutError(KVStoreError):
 
 
 class StateRejected(InvalidArgument):
-    """An SWA state put of the wrong size, or at a position SPEC §6 never stores at; the message
-    names both. Picklable (through ``InvalidArgument.__reduce__``) across Ray actors."""
+    """An SWA state put of the wrong size, or at a position docs/rules.md §6 never stores at; the
+    message names both. Picklable (through ``InvalidArgument.__reduce__``) across Ray actors."""
 
 
 # --- engine-side ledgers -------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Model presets as data, and every size derived from one frozen geometry config (SPEC §2, §3).
+"""Model presets as data, and every size derived from one frozen geometry config
+(docs/rules.md §2, §3).
 
 Two things live here:
 
@@ -81,7 +82,8 @@ class ModelPreset:
     stored_swa_layers: tuple[int, ...]
     #: YoCo consumer layers: their SWA is rebuilt by prefill recompute, so it sits in the dropped
     #: region, and they cache no block KV of their own (their compressed KV is projected from the
-    #: encoder's last hidden state, SPEC §9). Fixed by the model, never by the truncation mode.
+    #: encoder's last hidden state, docs/rules.md §9). Fixed by the model, never by the truncation
+    #: mode.
     consumer_swa_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -250,8 +252,8 @@ class GeometryConfig:
     block_tokens: int = BLOCK_TOKENS
     #: State slots (sequences holding state at once): first dimension of every state table.
     num_state_seqs: int = 64
-    #: How far past a 128 boundary the decode snapshot copy may land (SPEC §6: <= 5 tokens).
-    #: The ring's backtracking slots must absorb it too, so max_backtracking >= this.
+    #: How far past a 128 boundary the decode snapshot copy may land (docs/rules.md §6: <= 5
+    #: tokens). The ring's backtracking slots must absorb it too, so max_backtracking >= this.
     decode_snapshot_overrun: int = 5
 
     def __post_init__(self) -> None:
@@ -392,7 +394,7 @@ class GeometryConfig:
     def swa_bytes_per_token(self) -> int:
         return self.model.swa_bytes_per_token
 
-    # --- SWA rings (SPEC §3) ---------------------------------------------------------------------
+    # --- SWA rings (docs/rules.md §3) -------------------------------------------------------------
 
     @property
     def inference_ring(self) -> int:
@@ -418,7 +420,7 @@ class GeometryConfig:
         """Persisted bytes per sequence: stored layers × inference ring × SWA bytes/token."""
         return len(self.stored_swa_layers) * self.inference_ring * self.swa_bytes_per_token
 
-    # --- compression (SPEC §3, our choice) -------------------------------------------------------
+    # --- compression (docs/rules.md §3, our choice) -----------------------------------------------
 
     def compression_ring(self, kind: str) -> int:
         """Compression window(s) plus rollback history: CSA 2·4 + 6 = 14, HCA 128 + 6 = 134."""
@@ -486,7 +488,7 @@ class GeometryConfig:
         compression = sum(counts[k] * self.compression_state_bytes(k) for k in COMPRESSED_KINDS)
         return swa + compression
 
-    # --- block KV (SPEC §2) ----------------------------------------------------------------------
+    # --- block KV (docs/rules.md §2) --------------------------------------------------------------
 
     def block_bytes_of_layer(self, layer: int) -> int:
         """Block-KV bytes one layer contributes to one block (0 for SWA layers and consumers)."""

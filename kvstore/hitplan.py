@@ -1,8 +1,10 @@
-"""How much of a prompt is reused from cache, and where sequence state is stored (SPEC §5, §6).
+"""How much of a prompt is reused from cache, and where sequence state is stored
+(docs/rules.md §5, §6).
 
-A prompt's reuse depends on two ledgers together (SPEC §2): the block store says how many whole
-128-token blocks of compressed KV are cached; the SWA store says whether the sliding-window state
-at the end of that run exists. The rule (SPEC §5, from DeepInfer's V4.1 deployment Q&A):
+A prompt's reuse depends on two ledgers together (docs/rules.md §2): the block store says how many
+whole 128-token blocks of compressed KV are cached; the SWA store says whether the sliding-window
+state at the end of that run exists. The rule (docs/rules.md §5, from DeepInfer's V4.1 deployment
+Q&A):
 
 1. cap = L − (window + max_backtracking) = L − 134: the last 134 tokens are always computed,
    because YoCo truncation keeps window + speculative rollback positions live.
@@ -28,8 +30,9 @@ exists — L1 when the state at L1 is there, else the highest position below L1 
 or a miss; never a hit that would need a window nobody stored (no replay, no approximation).
 
 Hits are whole blocks, never the middle of one, so SWA states are only ever stored at positions
-p > 0 with p % 128 == 0 (SPEC §6): prefill stores at floor((L − 1)/128)·128, chunked prefill only
-after its last chunk, decode from the last boundary-crossing copy anchored at the boundary below.
+p > 0 with p % 128 == 0 (docs/rules.md §6): prefill stores at floor((L − 1)/128)·128, chunked
+prefill only after its last chunk, decode from the last boundary-crossing copy anchored at the
+boundary below.
 
 Everything here is a pure function of its arguments. The three numbers (window, max_backtracking,
 block_tokens) are keyword arguments, or read from any object that has them as attributes (such as
@@ -152,7 +155,7 @@ class HitPlan:
     replay_start: int | None
     replay_tokens: int
     compute_from: int
-    #: SPEC §6 prefill store position for this prompt (None when L ≤ block_tokens).
+    #: docs/rules.md §6 prefill store position for this prompt (None when L ≤ block_tokens).
     store_at: int | None
     # Context below has defaults so a plan can be rebuilt from the wire message (which carries
     # only the fields above) without inventing values.
@@ -268,7 +271,7 @@ def plan_hit(
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     geometry: HasHitGeometry | None = None,
 ) -> HitPlan:
-    """Plan the prefix hit of a prompt of ``prompt_len`` tokens (SPEC §5).
+    """Plan the prefix hit of a prompt of ``prompt_len`` tokens (docs/rules.md §5).
 
     ``block_hit_tokens`` is what the block store answered: either the token length of the leading
     run of consecutive cached blocks (a multiple of ``block_tokens``; above the cap is fine, it is
@@ -424,7 +427,7 @@ def _lookup_swa(available: SwaAvailability, position: int) -> tuple[bool, str | 
     return position in available, None
 
 
-# --- where states are stored (SPEC §6) -------------------------------------------------------
+# --- where states are stored (docs/rules.md §6) ---------------------------------------------------
 
 
 def is_store_position(position: object, *, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> bool:
@@ -503,7 +506,7 @@ def decode_boundary_crossed(
     When it returns a boundary b, the engine copies the window into the copy region now, at
     position ``new_len`` (= b + overrun). None when no boundary was reached. A step that lands
     more than ``max_backtracking − 1`` tokens past the boundary raises: the ring's spare slots
-    could not absorb that copy (SPEC §3: 6 spare slots, overrun ≤ 5).
+    could not absorb that copy (docs/rules.md §3: 6 spare slots, overrun ≤ 5).
     """
     block = _positive_int(block_tokens, "block_tokens")
     before = _non_negative_int(previous_len, "previous_len")

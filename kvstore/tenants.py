@@ -1,4 +1,4 @@
-"""Tenants: who is asking, which keys are theirs, and what they may do (SPEC §10).
+"""Tenants: who is asking, which keys are theirs, and what they may do (docs/rules.md §10).
 
 Every request is made by an identity (a bearer token from the tokens file, or the common name of
 an mTLS client certificate) that maps to one ``Tenant``. A tenant's keys live in its own

@@ -1,4 +1,4 @@
-"""Who is calling the gateway: the tenant a request acts for (SPEC §10).
+"""Who is calling the gateway: the tenant a request acts for (docs/rules.md §10).
 
 An identity is a bearer token (``authorization: Bearer <token>``) that the tokens file maps to a
 tenant, or — with mutual TLS on — the common name of the verified client certificate. A gateway

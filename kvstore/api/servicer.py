@@ -568,8 +568,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 key = _keys([request.key], "key")[0]
                 machine = _short_string(request.machine, "machine", MAX_CLASS_CHARS) or None
                 if machine is None:
-                    # Kept in the memory of the machine that made it (SPEC §7), when the put
-                    # comes from one of the tier's machines.
+                    # Kept in the memory of the machine that made it (docs/rules.md §7), when the
+                    # put comes from one of the tier's machines.
                     machine = self._views.tier.machine_at(_peer_host(call.peer))
                 # The state's size is its layout's: the tenant's view checks it.
                 return key, machine, _layout(request, self._limits)

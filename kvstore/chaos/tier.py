@@ -44,7 +44,7 @@ from kvstore.tier.records import PutAnswer
 
 log = logging.getLogger(__name__)
 
-#: One V4.1-Flash block (SPEC §3): what an engine stores per 128 tokens.
+#: One V4.1-Flash block (docs/rules.md §3): what an engine stores per 128 tokens.
 DEFAULT_BLOCK_BYTES = GeometryConfig.default().block_bytes
 MIN_MACHINES = 13
 

@@ -19,8 +19,8 @@ from kvstore.ledger.layout import (
 NAME = "geometry"
 HELP = "print ring sizes, state_size_to_disk, block bytes and the state block layout of a model"
 DESCRIPTION = f"""\
-Print the sizes kvstore derives from one model preset and engine configuration (SPEC §2-§4):
-SWA inference and store rings, state_size_to_disk, compression rings, block-KV bytes per
+Print the sizes kvstore derives from one model preset and engine configuration (docs/rules.md
+§2-§4): SWA inference and store rings, state_size_to_disk, compression rings, block-KV bytes per
 128-token block, state-table shapes and the per-sequence state block layout.
 
 presets: {", ".join(PRESET_NAMES)}

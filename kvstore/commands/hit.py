@@ -15,8 +15,8 @@ from kvstore.tier.records import HitRequest
 
 NAME = "hit"
 HELP = "ask a running kvstore how much of a prompt is cached (QueryHit)"
-DESCRIPTION = """Send a prompt's token ids to a running gateway and print the SPEC §5 hit plan:
-hit tokens, the block-store hit, whether the SWA state was found and on which machine,
+DESCRIPTION = """Send a prompt's token ids to a running gateway and print the docs/rules.md §5 hit
+plan: hit tokens, the block-store hit, whether the SWA state was found and on which machine,
 fetch-or-replay advice, and the first token the engine must compute.
 
 The prompt comes from --tokens-file (a JSON list, a .npy array, or whitespace-separated

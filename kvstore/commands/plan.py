@@ -1,4 +1,4 @@
-"""``kvstore plan``: what the SPEC §5 hit rule does with one prompt, and why."""
+"""``kvstore plan``: what the docs/rules.md §5 hit rule does with one prompt, and why."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from kvstore import hitplan
 from kvstore.errors import InvalidArgument
 
 NAME = "plan"
-HELP = "plan the prefix hit of one prompt (SPEC §5: cap L−134, block hit, SWA check, back-off)"
+HELP = (
+    "plan the prefix hit of one prompt "
+    "(docs/rules.md §5: cap L−134, block hit, SWA check, back-off)"
+)
 DESCRIPTION = """\
 Apply the prefix hit rule to one prompt and say what the engine reuses and computes.
 

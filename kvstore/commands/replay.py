@@ -43,7 +43,7 @@ Prints a table (--json: the summary as JSON) and writes summary.json, hit_rate.p
 latency.png to --report-dir. Ctrl-C stops dispatching, lets the requests in flight finish and
 reports what was done (exit 130). Exit 1 if a read returned wrong bytes.
 
-  kvstore replay --trace /work/shared/traces/mooncake_synthetic_trace.jsonl
+  kvstore replay --trace tests/data/mooncake_synthetic_head700.jsonl
   kvstore replay --trace trace.jsonl --capacity-fraction 0.25
   kvstore replay --trace trace.jsonl --limit 500 --payload-scale 0.125 --capacity-bytes 2GB
   kvstore replay --trace trace.jsonl --speed 10 --engines 8 --mode full-attention

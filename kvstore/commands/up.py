@@ -29,8 +29,8 @@ on); --address HOST:PORT (or "auto") joins an existing one. The gateway binds 12
 
 Tenants: with --tokens-file every token maps to a tenant whose keys live in a namespace of its
 own (derived from the secret in --tenant-secret-file), with the quotas and traffic classes the
-file gives it; the file is reread when it changes (rotate tokens without a restart). See the
-README's "Security model".
+file gives it; the file is reread when it changes (rotate tokens without a restart). See
+docs/security.md.
 
   kvstore up                                   # embedded cluster, 127.0.0.1:50051
   kvstore up --port 0 --metrics-port 9464      # any free port; Prometheus on 127.0.0.1:9464

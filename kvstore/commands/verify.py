@@ -1,4 +1,4 @@
-"""``kvstore verify {yoco,replay}``: the article's claims as executable checks (SPEC §9).
+"""``kvstore verify {yoco,replay}``: the article's claims as executable checks (docs/rules.md §9).
 
 torch is imported only when a check runs, so ``kvstore --help`` and every other command stay
 torch-free.
@@ -15,8 +15,8 @@ from kvstore.errors import ConfigError, InvalidArgument
 NAME = "verify"
 HELP = "run the YoCo (mask vs compact) and bounded-replay checks on a small V4-style model"
 DESCRIPTION = """\
-Executable checks of SPEC §9 on a small DeepSeek-V4-style torch model (128-token SWA in every
-layer, CSA 4:1 with a top-k indexer, HCA 128:1), deterministic random weights, CPU.
+Executable checks of docs/rules.md §9 on a small DeepSeek-V4-style torch model (128-token SWA in
+every layer, CSA 4:1 with a top-k indexer, HCA 128:1), deterministic random weights, CPU.
 
   yoco    truncation mask vs compact on the same inputs and weights, fp32 and bf16, against a
           stated tolerance; a deliberately broken compact must be caught; preemption with

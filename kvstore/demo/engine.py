@@ -3,7 +3,7 @@
 
 Per request it asks ``QueryHit`` how much of the prompt is cached, loads the hit blocks it does not
 already hold in its own (simulated) GPU prefix cache with ``GetBlocks``, fetches the SWA state when
-the plan says so, "computes" the rest, and saves the new full blocks and the SPEC §6 state
+the plan says so, "computes" the rest, and saves the new full blocks and the docs/rules.md §6 state
 snapshot. Payloads are a pure function of the block key, so every byte read back is checked: a
 wrong byte is counted, never hidden.
 """

@@ -1,6 +1,6 @@
 """A synthetic day of inference traffic, the shape a KV-cache tier actually sees.
 
-Two traffic classes, as in SPEC §7:
+Two traffic classes, as in docs/rules.md §7:
 - **chatbot** sessions: one of a few shared system prompts, then turns that each append a user
   message and the model's reply, so every turn's prompt is the previous prompt plus a suffix;
 - **agent** loops: a long tool-use system prompt and a task, then steps that each append a tool

@@ -1,5 +1,6 @@
 """The fetcher: a separate process that reads a hit plan's blocks and SWA state from the tier
-into a /dev/shm staging region, layer by layer, announcing each layer as it lands (SPEC §8).
+into a /dev/shm staging region, layer by layer, announcing each layer as it lands
+(docs/rules.md §8).
 
 Why a process: reading from the tier (gRPC, Ray, checksums, erasure decoding) is Python work
 that would otherwise hold the engine process's GIL while the model runs. The fetcher is a fresh

@@ -10,7 +10,7 @@ is that description with no engine imported, and everything kvstore derives from
 - **Blocks** (the erasure-coded block tier): one payload per 128-token block of the one
   full-attention group, layer-major over its layers (``KVLayout``), under the key chained from
   ``group_fingerprint`` — one key per (group, block).
-- **Window state** (the SWA tier, SPEC §11): at a store position p, the rows of every
+- **Window state** (the SWA tier, docs/rules.md §11): at a store position p, the rows of every
   sliding-window layer for the ``window_blocks`` blocks that end at p (what a query at p attends
   to), layer-major over the sliding layers. One state serves one position: a shorter hit finds
   the state stored at its own position (``exact-window`` hit mode), never a slice of a longer one.

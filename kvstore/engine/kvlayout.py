@@ -9,8 +9,9 @@ as soon as its bytes are in place, and what lets a 10+2 data shard (a contiguous
 payload) hold whole leading layers.
 
 Stored SWA state (what ``put_swa_state`` stores) is the persisted prefix of the decode-engine state
-block (SPEC §4, ``kvstore.ledger.layout``): one ``[inference_ring, 1, swa_bytes]`` window per stored
-SWA layer, in layer order, each in window order (slot j holds token ``anchor − 134 + j``).
+block (docs/rules.md §4, ``kvstore.ledger.layout``): one ``[inference_ring, 1, swa_bytes]`` window
+per stored SWA layer, in layer order, each in window order
+(slot j holds token ``anchor − 134 + j``).
 
 Everything is computed from one ``GeometryConfig`` each time; nothing is cached.
 """

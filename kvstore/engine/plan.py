@@ -48,7 +48,7 @@ class PagedLoad:
 class StateSave:
     """Save the window state at ``position`` (rows ``windows`` of each sliding group) under
     ``key``. ``hold``: a decode-time state, kept by the worker and stored when the request ends
-    (only its last one is: SPEC §6's store at request end)."""
+    (only its last one is: docs/rules.md §6's store at request end)."""
 
     key: bytes
     position: int

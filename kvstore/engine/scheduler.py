@@ -8,7 +8,7 @@ must save, and hands both to the worker side as a picklable ``StepPlan``
 miss, and for ``retry_after_s`` after that every lookup is a miss without asking, so a dead tier
 costs one timeout, not one per request.
 
-A hybrid model (``EngineGroups.hybrid``) adds the window state (SPEC §6, §11):
+A hybrid model (``EngineGroups.hybrid``) adds the window state (docs/rules.md §6, §11):
 
 - hits use the ``exact-window`` mode: the hit is the longest prefix whose window the tier has;
 - a load fills every full-attention block of the hit and, in each sliding group, only the
@@ -17,8 +17,8 @@ A hybrid model (``EngineGroups.hybrid``) adds the window state (SPEC §6, §11):
   load when a model has several KV-cache groups (the whole request is recomputed instead);
 - the state is saved at the prefill store position ``floor((L − 1) / 128) · 128`` in the step
   that computes it, and at every boundary the request crosses after that; of those, only the
-  last is stored, when the request ends (the decode store of SPEC §6). Each save reads its rows
-  in the step that completes them: vLLM frees a sliding block once it leaves the window.
+  last is stored, when the request ends (the decode store of docs/rules.md §6). Each save reads its
+  rows in the step that completes them: vLLM frees a sliding block once it leaves the window.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Paged block ledger: the engine's first ledger (sequence history, SPEC §2).
+"""Paged block ledger: the engine's first ledger (sequence history, docs/rules.md §2).
 
 A sequence owns a *block table*: the list of physical block ids that hold its history, one block
 per 128 tokens. A full block can be *committed* under its chained prefix key
@@ -151,8 +151,8 @@ class PagedBlockLedger:
         """Blocks of the longest run of cached keys at the start of ``keys`` (no side effect).
 
         Stops at the first key that is not registered: keys are chained, so a later hit after a
-        miss cannot be used. Applying a cap (SPEC §5: the last 134 tokens are always computed) is
-        the caller's job.
+        miss cannot be used. Applying a cap (docs/rules.md §5: the last 134 tokens are always
+        computed) is the caller's job.
 
         Raises:
             InvalidArgument: a key is not 32 bytes.

@@ -1,4 +1,5 @@
-"""The per-sequence state block: where every SWA ring and compression accumulator lives (SPEC §4).
+"""The per-sequence state block: where every SWA ring and compression accumulator lives
+(docs/rules.md §4).
 
 One sequence's state is one contiguous byte block, in this order::
 
@@ -303,7 +304,7 @@ def pe_to_ce(
     seq_len: int,
     anchor: int | None = None,
 ) -> np.ndarray:
-    """Re-order a prefill engine's state block into the decode engine's block (SPEC §4).
+    """Re-order a prefill engine's state block into the decode engine's block (docs/rules.md §4).
 
     ``pe_block`` is in ``build_layout(pe_geometry)`` layout; tokens ``0 .. seq_len − 1`` have been
     written into its SWA rings (token ``t`` at slot ``t % store_ring``). Both SWA groups, stored

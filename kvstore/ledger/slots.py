@@ -1,4 +1,4 @@
-"""State slot ledger: the engine's second ledger (sequence state, SPEC §2).
+"""State slot ledger: the engine's second ledger (sequence state, docs/rules.md §2).
 
 Sequence state (SWA window ring, uncompressed tail, fp32 compression accumulators) is bounded, so
 each sequence gets exactly one fixed-size slot for its whole life: no block table, no refcount, no

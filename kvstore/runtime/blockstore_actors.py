@@ -592,9 +592,9 @@ class RepairActor:
 
 
 def actor_options(name: str, **extra: Any) -> dict[str, Any]:
-    """Options every block tier actor shares (MEASURED.md: task events off, no CPU held), and
-    the fastcall TLS setting of the deploying process (a Ray worker does not inherit its
-    environment)."""
+    """Options every block tier actor shares (task events off: +37% calls/s with Ray 2.60;
+    no CPU held), and the fastcall TLS setting of the deploying process (a Ray worker does not
+    inherit its environment)."""
     options: dict[str, Any] = {
         "name": name,
         "num_cpus": 0,

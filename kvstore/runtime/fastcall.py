@@ -3,7 +3,7 @@
 Ray stays the control plane (placement, restarts, names, endpoints, every other call), but a Ray
 actor call cost ~1-1.5 ms of CPU on this kind of machine, caller and actor together (submit,
 task dispatch, serialisation, output store), and a value over 100 KiB goes through the object
-store (MEASURED.md). A plain socket with one request and one scatter-gather reply moves a
+store (measured with Ray 2.60). A plain socket with one request and one scatter-gather reply moves a
 batch at several GB/s. So the calls that move bytes or sit on the hit path go over a socket to
 a thread in the actor's process: a storage node's ``put``/``commit``/``abort``/``get``/``holds``/
 ``delete``, a meta shard's ``lookup_wire`` and the calls of every put (``begin_put``,

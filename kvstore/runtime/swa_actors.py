@@ -6,7 +6,7 @@ loop and put a timeout on every remote call.
 
 Placement:
 - one store per machine, pinned hard to that machine's Ray node (``num_cpus=0``: a pinned actor
-  holding a CPU could wait forever for one, MEASURED.md). Its states die with the machine.
+  holding a CPU could wait forever for one, seen with Ray 2.60). Its states die with the machine.
 - E entrypoints (default one per machine), spread over the machines with *soft* node affinity
   and unlimited restarts: a killed entrypoint comes back (empty, new incarnation) on its machine
   or, when that machine is gone, on another one; stores then re-register what they hold.

@@ -1,6 +1,6 @@
 """Fetch-or-replay advice: is it cheaper to fetch an SWA state from its owner or to rebuild it?
 
-SPEC §7 (our addition): fetching ~1.4 MB across machines and replaying 128 tokens over the
+docs/rules.md §7 (our addition): fetching ~1.4 MB across machines and replaying 128 tokens over the
 stored SWA layers cost different things on different days. Both sides are estimated:
 
     fetch_s  = latency(owner) + state_bytes / bandwidth(owner)

@@ -1,7 +1,7 @@
 """Configuration of the SWA KVCache tier: one frozen, validated dataclass.
 
-Every number that shapes the tier's behaviour lives here: the per-machine pool bound (SPEC §7:
-about 10% of host DRAM), the TTL (minutes), how fast a lost machine's states drop out of the
+Every number that shapes the tier's behaviour lives here: the per-machine pool bound (docs/rules.md
+§7: about 10% of host DRAM), the TTL (minutes), how fast a lost machine's states drop out of the
 directory, the timeout of every remote call, and the default costs the fetch-or-replay advice uses
 before it has measured anything. Environment variables are read only in ``from_env``.
 """
@@ -46,7 +46,7 @@ class SWAConfig:
     #: memory of the machine the store runs on, resolved there.
     capacity_bytes: int | None = None
     capacity_fraction: float = 0.10
-    #: A state not read or written for this long is dropped (SPEC §7: minutes).
+    #: A state not read or written for this long is dropped (docs/rules.md §7: minutes).
     ttl_s: float = 300.0
     #: Directory shards (entrypoint actors); ``None`` = one per machine at deploy time.
     num_entrypoints: int | None = None

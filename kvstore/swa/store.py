@@ -1,11 +1,11 @@
 """One machine's SWA state pool: fixed-size blobs in host memory, bounded, LRU + TTL.
 
-A state is the stored region of one sequence's state block (SPEC §4), snapshotted at an aligned
-position p (SPEC §6: p > 0, p % 128 == 0) and keyed by the block key of the block that ends at p.
-Its exact size belongs to the layout it was made under (``kvstore.tier.records.Layout``): the
-callers check it, the pool only takes any state of at most ``max_state_bytes`` (by default the
-tier's own state size). Anything else is rejected before it touches the pool, with an error naming
-both the size and the position and what was expected.
+A state is the stored region of one sequence's state block (docs/rules.md §4), snapshotted at an
+aligned position p (docs/rules.md §6: p > 0, p % 128 == 0) and keyed by the block key of the block
+that ends at p. Its exact size belongs to the layout it was made under
+(``kvstore.tier.records.Layout``): the callers check it, the pool only takes any state of at most
+``max_state_bytes`` (by default the tier's own state size). Anything else is rejected before it
+touches the pool, with an error naming both the size and the position and what was expected.
 
 Eviction: by LRU when a put would exceed the byte bound, and by TTL measured from the last access
 (a put or a hit), so a state an agent loop keeps reusing stays while an abandoned one goes.
@@ -71,7 +71,7 @@ def check_state(
             ", ".join(wrong),
             f"state of {array.size} B at position {position!r} rejected: a state is {size} "
             f"(its layout's state size) and is stored only at a position p > 0 with "
-            f"p % {block_tokens} == 0 (SPEC §6)",
+            f"p % {block_tokens} == 0 (docs/rules.md §6)",
         )
     return array
 

@@ -6,7 +6,7 @@ storage hosts. A probe on the client host puts blocks through the gateway and re
 Then every process of the head host is killed: Ray's GCS, the gateway, the meta shards, the
 repair loop, the SWA entrypoints.
 
-What the scenario shows, and the README says:
+What the scenario shows, and docs/operations/testbed.md says:
 - the client sees a clean gRPC error (UNAVAILABLE) at once: no wrong bytes, no hang;
 - the storage hosts keep their data directories; their raylets, with no GCS to talk to, give
   up after about a minute ("GCS has been unavailable for more than 60 seconds ... The program

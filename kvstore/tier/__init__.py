@@ -4,7 +4,7 @@
                 ``PutAnswer``, ``Stats``
 - ``protocols`` what callers need: ``HitSource``, ``TierReader``, ``TierWriter`` and ``Tier``
                 (all three plus figures: what the gateway serves)
-- ``hit``       the two-tier hit composition (SPEC §5) every implementation uses
+- ``hit``       the two-tier hit composition (docs/rules.md §5) every implementation uses
 - ``coalesce``  concurrent callers of one operation share a batched call
 - ``leases``    the bounded, expiring table of leases handed out by id
 - ``cluster``   ``ClusterTier``: the deployed cluster (no Ray here: transports are injected)

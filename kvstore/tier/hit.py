@@ -1,4 +1,5 @@
-"""The SPEC §5 plan over both tiers: the block run, the one SWA state it needs, the lease, advice.
+"""The docs/rules.md §5 plan over both tiers: the block run, the one SWA state it needs,
+the lease, advice.
 
 1. Block keys come from the caller or from the prompt's token ids (``kvstore.keys``). Only the
    blocks inside the cap (L − 134) are asked about: a block beyond it can never be part of a hit,
@@ -180,8 +181,8 @@ class HitQuery:
         prompt_len: int,
         mode: str = STANDARD,
     ) -> HitResult:
-        """The SPEC §5 plan for a prompt of ``prompt_len`` tokens given its block keys (one per
-        full block, from the start: 32-byte keys or their (n, 4) words) or its token ids
+        """The docs/rules.md §5 plan for a prompt of ``prompt_len`` tokens given its block keys (one
+        per full block, from the start: 32-byte keys or their (n, 4) words) or its token ids
         (exactly ``prompt_len`` of them)."""
         steps = self._steps(keys_or_tokens, prompt_len, mode)
         need = _advance(steps, None, None)

@@ -17,7 +17,7 @@ from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, St
 
 
 class HitSource(Protocol):
-    """Answers "how much of this prompt is cached" over both tiers (SPEC §5)."""
+    """Answers "how much of this prompt is cached" over both tiers (docs/rules.md §5)."""
 
     def query_hit(self, request: HitRequest) -> HitAnswer:
         """The plan for one prompt (``HitRequest``), with a lease on the hit if asked."""

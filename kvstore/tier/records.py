@@ -70,8 +70,8 @@ class Layout:
 
 @dataclass(frozen=True, eq=False)
 class HitRequest:
-    """One prompt to plan (SPEC §5): its token ids (``prompt_len`` may be left 0), or the keys
-    of its full blocks from the start (32-byte keys or their (n, 4) uint64 words) and its
+    """One prompt to plan (docs/rules.md §5): its token ids (``prompt_len`` may be left 0), or the
+    keys of its full blocks from the start (32-byte keys or their (n, 4) uint64 words) and its
     length. With ``take_lease`` the hit blocks are leased until read or released."""
 
     token_ids: Sequence[int] | np.ndarray | None = None

@@ -1,4 +1,4 @@
-"""One tenant's view of a tier: its keys namespaced, its policy applied (SPEC §10).
+"""One tenant's view of a tier: its keys namespaced, its policy applied (docs/rules.md §10).
 
 ``TenantView`` wraps any ``kvstore.tier.protocols.Tier`` (the cluster, a directory of files) and
 is itself one. Every key a tenant sends is mapped into its namespace

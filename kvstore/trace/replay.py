@@ -79,7 +79,7 @@ DATA_SHARDS, PARITY_SHARDS = 10, 2
 # What one block costs the embedded tier here (2 cores shared with other work, fsync=never, 4
 # engines over gRPC): a fixed cost per block (gRPC messages, 12 shard records or 10 shard reads,
 # index rows, the GC's eviction of it later) plus a cost per payload byte (erasure coding,
-# copies, the payload check: ~13 s of CPU per GB put on 2 cores, README "Benchmark"). Fitted to
+# copies, the payload check: ~13 s of CPU per GB put on 2 cores, benchmarks/README.md). Fitted to
 # the dev trace's two full runs at payload scale 1/16: unbounded (165,537 blocks put, 310,742
 # read) 538 s of traffic, capacity 25% (268,565 put, 207,714 read) 766 s.
 PUT_S_PER_BLOCK = 2.4e-3

@@ -26,7 +26,7 @@ import torch
 
 from kvstore.errors import ConfigError, InvalidArgument
 
-#: SWA window (SPEC §3 n_win) and maximum speculative-decoding backtracking.
+#: SWA window (docs/rules.md §3 n_win) and maximum speculative-decoding backtracking.
 WINDOW = 128
 BACKTRACK = 6
 #: The decode (CE) ring: window + backtracking slots per SWA layer.

@@ -7,7 +7,7 @@ steps: its state is dropped and must be recomputed before decoding resumes.
   recompute is a full prefill of prompt + generated tokens: the same function of the same
   tokens, equal up to floating-point reduction order.
 - truncation on (``mask``/``compact``): only a bounded suffix was kept, so the recompute resumes
-  from the kept anchor. It is a prefix hit on block KV at ``L1`` (SPEC §5: at most
+  from the kept anchor. It is a prefix hit on block KV at ``L1`` (docs/rules.md §5: at most
   ``n - 134``, a multiple of 128) plus a bounded replay from ``L1 - 128`` whose windows are
   truncated there. The rebuilt SWA state is approximate past layer 0, so the logits after the
   resume differ from an uninterrupted run, and greedy tokens may differ.
@@ -70,7 +70,7 @@ def preempt_and_resume(
         done = torch.cat([prompt, torch.tensor(tokens_a[:preempt_after])])
         n = done.shape[0]
         if truncation:
-            hit = (n - RING_SLOTS) // WINDOW * WINDOW  # SPEC §5 cap, whole blocks
+            hit = (n - RING_SLOTS) // WINDOW * WINDOW  # docs/rules.md §5 cap, whole blocks
             start = hit - WINDOW
             # Block KV was cached by the original prefill (whole blocks before `hit`).
             block_kv = block_kv_of(contexts, hit)

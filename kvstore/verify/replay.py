@@ -6,8 +6,8 @@ keys ``[max(s, i-127), i]``, reusing the cached entries verbatim, and keeps the 
 ``[L1-128, L1)`` as the rebuilt state. Layer 0's keys are exact (its input is the embedding);
 every deeper layer's input came through truncated attention, so its keys are approximate. This
 module measures that error per layer, against the replay start ``s`` and in the logits of the
-suffix computed on top (SPEC §5: at least the last 134 prompt tokens are always computed), and
-the cost against an exact recompute (a full prefill of the prefix).
+suffix computed on top (docs/rules.md §5: at least the last 134 prompt tokens are always computed),
+and the cost against an exact recompute (a full prefill of the prefix).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ DEFAULT_SIZES = (8192, 32768, 131072)
 @dataclass(frozen=True)
 class ReplayCheckConfig:
     sizes: tuple[int, ...] = DEFAULT_SIZES
-    #: Tokens computed after the hit (SPEC §5: the last 134 of a prompt are always computed).
+    #: Tokens computed after the hit (docs/rules.md §5: the last 134 of a prompt are always
+    #: computed).
     suffix: int = RING_SLOTS
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)

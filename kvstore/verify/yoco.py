@@ -88,7 +88,7 @@ class YocoCheckConfig:
     inject_off_by_one: bool = False
 
     def __post_init__(self) -> None:
-        # SPEC §3: with truncation on, KEEP must cover window + backtracking.
+        # docs/rules.md §3: with truncation on, KEEP must cover window + backtracking.
         if self.keep < WINDOW + BACKTRACK:
             raise ConfigError(
                 "keep", f"must be >= window + backtracking = {WINDOW + BACKTRACK}, got {self.keep}"

@@ -68,7 +68,7 @@ def test_every_rpc_round_trips(running: RunningService, client: KVStoreClient) -
     put = client.put_blocks(keys[:8], payloads, "agent")
     assert put.committed == 8 and not put.failed_keys
 
-    # Block hit 8 blocks = 1024 tokens; no SWA state yet → back off one block (SPEC §5).
+    # Block hit 8 blocks = 1024 tokens; no SWA state yet → back off one block (docs/rules.md §5).
     answer = client.query_hit(HitRequest(token_ids=tokens.tolist(), traffic_class="agent"))
     assert answer.plan.block_hit_tokens == 1024
     assert answer.plan.hit_tokens == 896 and not answer.plan.swa_hit

@@ -31,7 +31,7 @@ def test_block_payload_is_layer_major_and_covers_the_block(preset: str) -> None:
 
 
 def test_v41_flash_numbers(kv: KVLayout) -> None:
-    # SPEC §2/§3: ≈111 KiB per block, 20 stored layers × 134 × 528 = 1,415,040 B of state.
+    # docs/rules.md §2/§3: ≈111 KiB per block, 20 stored layers × 134 × 528 = 1,415,040 B of state.
     assert kv.block_bytes == 114_048
     assert kv.state_bytes == 1_415_040
     assert kv.state_layers == tuple(range(20))

@@ -1,5 +1,6 @@
 """query_hit over both real tiers on a local multi-node Ray cluster, through the tier facade: the
-block store (leases) and the SWA directory, against hand-computed SPEC §5 plans in both modes."""
+block store (leases) and the SWA directory, against hand-computed docs/rules.md §5 plans in both
+modes."""
 
 from __future__ import annotations
 

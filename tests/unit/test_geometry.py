@@ -1,5 +1,5 @@
-"""Model presets and every size derived from GeometryConfig (SPEC §2, §3), with the article's
-figures: 134, 396, 1,415,040, compression rings 14/134, V4-Flash 43 / V4-Pro 61 layers."""
+"""Model presets and every size derived from GeometryConfig (docs/rules.md §2, §3), with the
+article's figures: 134, 396, 1,415,040, compression rings 14/134, V4-Flash 43 / V4-Pro 61 layers."""
 
 from __future__ import annotations
 

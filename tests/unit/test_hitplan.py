@@ -1,4 +1,4 @@
-"""SPEC §5 hit rule and §6 store positions, with the article's numbers.
+"""docs/rules.md §5 hit rule and §6 store positions, with the article's numbers.
 
 Expected values in the tables are worked out by hand in the comments (never by calling the code
 under test): cap = L − 134, L1 = whole blocks of min(B, cap), back off 128 when SWA at L1 is

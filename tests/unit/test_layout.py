@@ -1,4 +1,4 @@
-"""Per-sequence state block layout and the PE -> CE ring re-order (SPEC §4)."""
+"""Per-sequence state block layout and the PE -> CE ring re-order (docs/rules.md §4)."""
 
 from __future__ import annotations
 

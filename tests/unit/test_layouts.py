@@ -1,6 +1,6 @@
 """Block sizes belong to a model layout, not to the tier: one tier serves many models, each
 request names its layout (``kvstore.tier.records.Layout``), and every layout's blocks and states
-live apart, each of exactly its layout's size (SPEC §11). Through ``TenantView`` over the
+live apart, each of exactly its layout's size (docs/rules.md §11). Through ``TenantView`` over the
 in-process cluster and over a directory of files, without Ray."""
 
 from __future__ import annotations

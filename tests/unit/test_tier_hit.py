@@ -1,6 +1,6 @@
-"""query_hit over both tiers against hand-computed SPEC §5 cases (in-process tiers), every case
-run through both drivers of the one plan: from a thread (``query_hit``) and from an asyncio loop
-(``query_hit_async``, the gateway's)."""
+"""query_hit over both tiers against hand-computed docs/rules.md §5 cases (in-process tiers), every
+case run through both drivers of the one plan: from a thread (``query_hit``) and from an asyncio
+loop (``query_hit_async``, the gateway's)."""
 
 from __future__ import annotations
 

@@ -75,8 +75,9 @@ class KVStoreServicer:
     """Missing associated documentation comment in .proto file."""
 
     def QueryHit(self, request, context):
-        """How much of this prompt is cached? The SPEC §5 plan, the SWA owner, fetch-or-replay advice,
-        and a lease that keeps the hit blocks from being collected until they are read or released.
+        """How much of this prompt is cached? The docs/rules.md §5 plan, the SWA owner, fetch-or-replay
+        advice, and a lease that keeps the hit blocks from being collected until they are read or
+        released.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,7 +100,7 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutSWAState(self, request, context):
-        """Store one sequence's SWA state snapshot at an aligned position (SPEC §6).
+        """Store one sequence's SWA state snapshot at an aligned position (docs/rules.md §6).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
