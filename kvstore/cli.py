@@ -11,11 +11,17 @@ adding a command never edits this file. A command module defines:
 
 Bad arguments print one line naming the argument and exit with status 2; a ``KVStoreError``
 raised by a command is printed the same way (its message names the field).
+
+A command run with ``--json`` prints exactly one JSON document on stdout and nothing else: it
+runs inside ``kvstore.commands._output.json_stdout()``, which sends everything else (its own
+progress, Ray's forwarded worker output and warnings, its child processes) to stderr and writes
+the document the command handed to ``print_json`` / ``print_document`` at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import pkgutil
 import sys
@@ -24,6 +30,7 @@ from types import ModuleType
 from typing import NoReturn
 
 from kvstore import __version__
+from kvstore.commands._output import json_stdout
 from kvstore.errors import ConfigError, InvalidArgument, KVStoreError
 
 USAGE_ERROR = 2
@@ -78,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args._run(args))
+        with json_stdout() if getattr(args, "json", False) else contextlib.nullcontext():
+            return int(args._run(args))
     except (InvalidArgument, ConfigError) as error:
         print(f"{args._prog}: error: {error}", file=sys.stderr)
         return USAGE_ERROR

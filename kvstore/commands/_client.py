@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from kvstore.commands import _output
 from kvstore.errors import InvalidArgument, StoreError
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -73,4 +73,5 @@ def rpc_error(error: grpc.RpcError, server: str) -> StoreError:
 
 
 def print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, sort_keys=True, default=str))
+    """The command's one JSON document (see ``kvstore.commands._output``)."""
+    _output.print_json(value)

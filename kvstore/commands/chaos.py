@@ -19,6 +19,7 @@ from kvstore.chaos.catalog import (
     OWN_DEPLOYMENT_CONFIG,
     SCENARIO_NAMES,
 )
+from kvstore.commands._output import print_document
 from kvstore.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -116,7 +117,10 @@ def run(args: argparse.Namespace) -> int:
         if temporary:
             shutil.rmtree(data_root, ignore_errors=True)
     extra = {"machines": args.machines, "seed": args.seed, "seconds": time.monotonic() - started}
-    print(to_json(results, extra) if args.json else format_table(results))
+    if args.json:
+        print_document(to_json(results, extra))
+    else:
+        print(format_table(results))
     return 0 if all(row.ok for row in results) else 1
 
 
@@ -171,7 +175,10 @@ def _run_on_hosts(args: argparse.Namespace) -> int:
     started = time.monotonic()
     results, facts = run_host_scenarios(names, seed=args.seed, progress=_progress)
     extra = {**facts, "seed": args.seed, "seconds": time.monotonic() - started}
-    print(to_json(results, extra) if args.json else format_table(results))
+    if args.json:
+        print_document(to_json(results, extra))
+    else:
+        print(format_table(results))
     if facts["leftovers"]:
         print(f"kvstore chaos: the testbed left {facts['leftovers']}", file=sys.stderr)
     return 0 if all(row.ok for row in results) and not facts["leftovers"] else 1

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.clock import SystemClock
+from kvstore.commands._output import print_document
 from kvstore.errors import InvalidArgument, KVStoreError, StoreError
 from kvstore.gc.config import DEFAULT_PATH, GCConfig
 from kvstore.gc.planner import GCPlan, plan_index
@@ -96,7 +97,7 @@ def _when(args: argparse.Namespace) -> float:
 
 def _print_plan(plan: GCPlan, as_json: bool, header: str) -> None:
     if as_json:
-        print(json.dumps(plan.as_dict(), indent=2, sort_keys=True))
+        print_document(json.dumps(plan.as_dict(), indent=2, sort_keys=True))
     else:
         print(header)
         print(plan.format_table())
@@ -153,7 +154,7 @@ def _live(args: argparse.Namespace, config: GCConfig) -> int:
         else:
             report = tier.run_pass(config)
             if args.json:
-                print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
+                print_document(json.dumps(report.as_dict(), indent=2, sort_keys=True))
             else:
                 print(f"GC pass against {args.address}")
                 print(gc_actors.format_report(report))

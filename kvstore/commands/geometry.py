@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from kvstore.commands._output import print_document
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.geometry import EC_DATA_SHARDS, LAYER_KINDS, PRESET_NAMES, GeometryConfig
 from kvstore.ledger.layout import (
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     geometry = config_from_args(args)
     data = report(geometry, regions=args.regions)
     if args.json:
-        print(dumps(data))
+        print_document(dumps(data))
     else:
         print(render(geometry, data, regions=args.regions))
     return 0

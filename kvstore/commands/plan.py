@@ -7,6 +7,7 @@ import json
 import sys
 
 from kvstore import hitplan
+from kvstore.commands._output import print_document
 from kvstore.errors import InvalidArgument
 
 NAME = "plan"
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise InvalidArgument(flag, str(error).split(": ", 1)[1]) from None
     if args.json:
-        print(json.dumps(plan.to_dict(), sort_keys=True))
+        print_document(json.dumps(plan.to_dict(), sort_keys=True))
         return 0
     ignored = sorted(p for p in swa if p != plan.swa_position)
     sys.stdout.write(render(plan, ignored))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import re
 import signal
@@ -222,10 +221,9 @@ def run(args: argparse.Namespace) -> int:
     def say(line: str) -> None:
         print(line, flush=True)
 
-    # With --json, stdout is the summary alone: what Ray prints on the driver's stdout (raylet
-    # warnings) goes to stderr meanwhile.
-    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
-    with _StopOnInterrupt() as interrupt, quiet:
+    # With --json, stdout is the summary alone: the CLI sends the lines said here and what Ray
+    # prints on the driver's stdout (raylet warnings) to stderr (kvstore.commands._output).
+    with _StopOnInterrupt() as interrupt:
         say(f"trace: {len(requests):,} requests from {args.trace}")
         summary, served, _ = run_replay(
             config, requests, trace_name=args.trace.name, stop=interrupt.event, say=say

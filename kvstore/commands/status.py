@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -15,6 +14,7 @@ from typing import Any
 import grpc
 
 from kvstore.commands._client import add_client_arguments, connect, print_json, rpc_error
+from kvstore.commands._output import print_json_line
 from kvstore.commands._repair import bar, drain_line, number, progress_line, repair_of
 from kvstore.errors import InvalidArgument, StoreError
 
@@ -129,13 +129,24 @@ def _watch(client: Any, args: argparse.Namespace) -> int:
                 if updates == 0:
                     raise
                 healthy = False
-                print(f"{stamp}  {args.server}: not answering ({error})", flush=True)
+                if args.json:
+                    print_json_line(
+                        {
+                            "time": stamp,
+                            "server": args.server,
+                            "serving": False,
+                            "healthy": False,
+                            "error": f"not answering ({error})",
+                        }
+                    )
+                else:
+                    print(f"{stamp}  {args.server}: not answering ({error})", flush=True)
             else:
                 healthy = bool(figures["healthy"])
                 left = number(repair.get("progress"), "stripes_left")
                 peak = max(peak, left or 0.0)
                 if args.json:
-                    print(json.dumps({"time": stamp, **figures}, sort_keys=True), flush=True)
+                    print_json_line({"time": stamp, **figures})
                 else:
                     line = f"{stamp}  {_nodes_text(figures)}  repair "
                     if left is not None:

@@ -10,6 +10,7 @@ import argparse
 import json
 from typing import Any
 
+from kvstore.commands._output import print_document
 from kvstore.errors import ConfigError, InvalidArgument
 
 NAME = "verify"
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         raise _as_argument(error, "--" + error.field.replace("_", "-")) from error
     if args.json:
-        print(json.dumps(report.as_dict(), indent=2))
+        print_document(json.dumps(report.as_dict(), indent=2))
     else:
         print(text)
     return 0 if report.ok else 1
