@@ -106,12 +106,13 @@ def test_gc_dry_run(
     import pyarrow.parquet as pq
 
     from kvstore.blockstore.index import BlockIndex
+    from kvstore.blockstore.indexsnapshot import index_to_table
 
     index = BlockIndex()
     keys = [bytes([i]) * 32 for i in range(3)]
     index.upsert(keys, np.zeros((3, 12), np.int32), np.full(3, 10), np.zeros(3, np.int32), 0.0)
     snapshot = tmp_path / "index.parquet"
-    pq.write_table(index.to_table(), snapshot)
+    pq.write_table(index_to_table(index), snapshot)
     argv = ["gc", "--dry-run", "--json", "--index-snapshot", str(snapshot)]
     code, document, _ = run_json(monkeypatch, capfd, argv)
     assert code == 0 and "expired" in document
