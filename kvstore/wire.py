@@ -1,4 +1,4 @@
-"""The wire format of the direct socket calls (``kvstore.runtime.fastcall``): a schema'd codec
+"""The wire format of the direct socket calls (``kvstore.fastcall``): a schema'd codec
 that can only build data, never run code.
 
 Pickle, the format those calls had, rebuilds whatever a frame names, so anyone who reached the

@@ -6,7 +6,7 @@ rebuild, the repair loop) and timeouts on calls to peers.
 
 Ray is the control plane; shard bytes do not go through it. Every storage node and meta shard
 also serves the calls of the write and read paths (``FAST_NODE_METHODS``,
-``FAST_META_METHODS``) over its own direct socket (``kvstore.runtime.fastcall``): a thread of
+``FAST_META_METHODS``) over its own direct socket (``kvstore.fastcall``): a thread of
 the actor's process runs them on the plain object under the same lock as the Ray methods, so
 the two planes never run in it at once. ``stats()`` counts the calls each plane served.
 
@@ -41,9 +41,10 @@ from kvstore.blockstore.records import RemovedBlock, StripeRecord
 from kvstore.blockstore.repair import HealthTracker, Repairer
 from kvstore.blockstore.repairloop import RepairLoop
 from kvstore.errors import StoreError
+from kvstore.fastcall.server import FastCallServer
+from kvstore.fastcall.tls import tls_env_options, tls_from_env
 from kvstore.keys import BlockKey
 from kvstore.runtime.fanout import RayFanout
-from kvstore.runtime.fastcall import FastCallServer, tls_env_options, tls_from_env
 from kvstore.wire import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ node differently from a failed one (it places around it, readers keep using it).
 
 Methods in ``fast_methods`` (a storage node's shard calls, a meta shard's lookups and write
 calls, an entrypoint's ``lookup``, an SWA store's ``fetch``: the byte and hit paths) go over the
-actor's direct socket instead (``kvstore.runtime.fastcall``) when it offers one. The first call
+actor's direct socket instead (``kvstore.fastcall``) when it offers one. The first call
 to a target goes through Ray while its endpoint is fetched, unless ``prepare`` fetched it up
 front (what a block client of a deployment does: no Ray call on its byte path once it runs). A
 call the wire cannot carry (a type it lacks, a request or an answer over the frame limit: a
@@ -47,16 +47,11 @@ from ray.exceptions import ActorDiedError, RayError
 
 from kvstore.blockstore.fanout import Target, Ticket
 from kvstore.errors import NodeDead, NodeDraining, NodeUnavailable
-from kvstore.runtime.fastcall import (
-    HANDSHAKE_TIMEOUT_S,
-    FastChannel,
-    FastChannels,
-    FastConnection,
-    FrameTooLarge,
-    RemoteError,
-    tls_from_env,
-    wait_ready,
-)
+from kvstore.fastcall.client import FastChannel
+from kvstore.fastcall.frames import FastConnection, FrameTooLarge, RemoteError, wait_ready
+from kvstore.fastcall.handshake import HANDSHAKE_TIMEOUT_S
+from kvstore.fastcall.tls import tls_from_env
+from kvstore.runtime.endpoints import FastChannels
 from kvstore.wire import WireError
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ Actor names are ``<config.name>-store-<machine>`` and ``<config.name>-entry-<sha
 driver's namespace, so a client anywhere in the cluster finds them by name.
 
 Fetches of a state from another Ray node go over the store's direct socket
-(``kvstore.runtime.fastcall``): one request, one scatter-gather reply straight from the object
+(``kvstore.fastcall``): one request, one scatter-gather reply straight from the object
 store's shared memory, no Ray call. A reader on the store's own node maps the state from shared
 memory through Ray instead (no copy at all).
 """
@@ -37,11 +37,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvstore.blockstore.fanout import Ticket, gather, gather_async
 from kvstore.clock import SystemClock
 from kvstore.errors import InvalidArgument, NodeUnavailable, StateRejected, StoreError
+from kvstore.fastcall.server import FastCallServer
+from kvstore.fastcall.tls import tls_env_options, tls_from_env
 from kvstore.keys import BlockKey
 from kvstore.runtime.blockstore_actors import find_actor
 from kvstore.runtime.cluster import pin_to_node
 from kvstore.runtime.fanout import RayFanout
-from kvstore.runtime.fastcall import FastCallServer, tls_env_options, tls_from_env
 from kvstore.swa.agent import StoreAgent
 from kvstore.swa.client import SWAClient
 from kvstore.swa.config import SWAConfig

@@ -16,15 +16,10 @@ from certs import self_signed
 
 from kvstore.blockstore.calls import meta_target, node_target
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
+from kvstore.fastcall.client import connect
+from kvstore.fastcall.tls import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TLS_SERVER_NAME_ENV
 from kvstore.runtime.cluster import LocalCluster
 from kvstore.runtime.deploy import deploy_blockstore
-from kvstore.runtime.fastcall import (
-    TLS_CA_ENV,
-    TLS_CERT_ENV,
-    TLS_KEY_ENV,
-    TLS_SERVER_NAME_ENV,
-    connect,
-)
 
 
 def test_lookups_and_shard_bytes_go_over_tls_when_the_deployer_sets_it(

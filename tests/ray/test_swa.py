@@ -14,9 +14,9 @@ import pytest
 import ray
 
 from kvstore.errors import StateRejected
+from kvstore.fastcall.client import FastChannel
 from kvstore.geometry import GeometryConfig
 from kvstore.runtime.cluster import LocalCluster, pin_to_machine
-from kvstore.runtime.fastcall import FastChannel
 from kvstore.runtime.swa_actors import SWADeployment, deploy_swa
 from kvstore.swa.config import SWAConfig
 from kvstore.swa.directory import ShardMap

@@ -1,4 +1,4 @@
-"""The direct socket channel (``kvstore.runtime.fastcall``) under attack: each test reproduces
+"""The direct socket channel (``kvstore.fastcall``) under attack: each test reproduces
 one finding of the security review of issue 15, against real sockets on 127.0.0.1.
 
 Written against the API the channel had before the fix too (``FastCallServer``,
@@ -24,13 +24,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.runtime.fastcall import (
-    HANDSHAKE_TIMEOUT_S,
-    FastCallServer,
-    FastChannel,
-    connect,
-    wait_ready,
-)
+from kvstore.fastcall.client import FastChannel, connect
+from kvstore.fastcall.frames import wait_ready
+from kvstore.fastcall.handshake import HANDSHAKE_TIMEOUT_S
+from kvstore.fastcall.server import FastCallServer
 
 
 class Target:

@@ -16,8 +16,9 @@ from ray.exceptions import RayError
 from kvstore.blockstore.calls import StorageNodeCalls, node_target
 from kvstore.blockstore.fanout import ENTRY, NODE, LocalFanout, Target, Ticket, gather
 from kvstore.errors import NodeUnavailable
+from kvstore.fastcall.client import FastChannel
+from kvstore.fastcall.server import FastCallServer
 from kvstore.runtime.fanout import RayFanout
-from kvstore.runtime.fastcall import FastCallServer, FastChannel
 
 
 class Node:

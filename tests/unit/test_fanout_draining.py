@@ -17,8 +17,9 @@ from ray.exceptions import RayError, RayTaskError
 from kvstore.blockstore.calls import StorageNodeCalls, node_target
 from kvstore.blockstore.fanout import gather
 from kvstore.errors import NodeDraining, NodeUnavailable, StoreError
+from kvstore.fastcall.client import FastChannel
+from kvstore.fastcall.server import FastCallServer
 from kvstore.runtime.fanout import RayFanout
-from kvstore.runtime.fastcall import FastCallServer, FastChannel
 
 DRAINING_NODE = 3
 BROKEN_NODE = 4

@@ -17,18 +17,12 @@ import numpy as np
 import pytest
 from certs import self_signed
 
-from kvstore.runtime import fastcall
-from kvstore.runtime.fastcall import (
-    HANDSHAKE_TIMEOUT_S,
-    MAX_HANDSHAKES,
-    ClientTLS,
-    FastCallServer,
-    FastChannel,
-    RemoteError,
-    ServerTLS,
-    connect,
-    wait_ready,
-)
+from kvstore.fastcall import server as fastcall_server
+from kvstore.fastcall.client import FastChannel, connect
+from kvstore.fastcall.frames import RemoteError, wait_ready
+from kvstore.fastcall.handshake import HANDSHAKE_TIMEOUT_S
+from kvstore.fastcall.server import MAX_HANDSHAKES, FastCallServer
+from kvstore.fastcall.tls import ClientTLS, ServerTLS
 
 
 class Target:
@@ -301,7 +295,7 @@ def test_a_key_holding_peer_answering_a_pickle_runs_nothing_in_the_caller(tmp_pa
 
 def test_the_handshake_ends_in_time_however_slowly_a_peer_sends(served, monkeypatch) -> None:
     server, _ = served
-    monkeypatch.setattr(fastcall, "HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(fastcall_server, "HANDSHAKE_TIMEOUT_S", 0.5)
     with socket.create_connection(server.endpoint[:2]) as sock:
         started = time.monotonic()
         sock.recv(4096)  # the challenge

@@ -23,16 +23,11 @@ from kvstore import wire
 from kvstore.blockstore.fanout import NODE, Target, gather
 from kvstore.blockstore.records import PutStatus
 from kvstore.errors import NodeUnavailable
+from kvstore.fastcall.client import FastChannel, connect
+from kvstore.fastcall.frames import RemoteError, wait_ready
+from kvstore.fastcall.server import FastCallServer
+from kvstore.fastcall.tls import ClientTLS, ServerTLS
 from kvstore.runtime.fanout import RayFanout
-from kvstore.runtime.fastcall import (
-    ClientTLS,
-    FastCallServer,
-    FastChannel,
-    RemoteError,
-    ServerTLS,
-    connect,
-    wait_ready,
-)
 
 BUDGET = 1 << 20
 CHUNK = 300_000  # three fit in the budget with their headers, four do not

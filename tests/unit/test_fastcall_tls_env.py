@@ -12,23 +12,23 @@ import pytest
 from certs import self_signed
 
 from kvstore.errors import ConfigError
-from kvstore.runtime.blockstore_actors import actor_options
-from kvstore.runtime.fanout import RayFanout
-from kvstore.runtime.fastcall import (
+from kvstore.fastcall.client import FastChannel, connect
+from kvstore.fastcall.frames import wait_ready
+from kvstore.fastcall.server import FastCallServer
+from kvstore.fastcall.tls import (
     TLS_CA_ENV,
     TLS_CERT_ENV,
     TLS_ENV,
     TLS_KEY_ENV,
     TLS_SERVER_NAME_ENV,
     ClientTLS,
-    FastCallServer,
-    FastChannel,
     ServerTLS,
-    connect,
+    TLSConfig,
     tls_env_options,
     tls_from_env,
-    wait_ready,
 )
+from kvstore.runtime.blockstore_actors import actor_options
+from kvstore.runtime.fanout import RayFanout
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,22 @@ def test_nothing_set_is_plaintext() -> None:
     assert tls_from_env({}, serving=True) == (None, None)
     assert tls_from_env({name: "" for name in TLS_ENV}) == (None, None)  # empty: unset
     assert tls_env_options({}) == {}
+
+
+def test_the_setting_is_a_frozen_config_read_by_the_one_environment_loader(
+    full: dict[str, str], pem: tuple[str, str]
+) -> None:
+    cert, key = pem
+    config = TLSConfig.from_env(full)
+    assert config == TLSConfig(cert, key, cert, "localhost")
+    assert config.env_vars() == full
+    assert TLSConfig.from_env({}) == TLSConfig() and TLSConfig().env_vars() == {}
+    with pytest.raises(AttributeError):
+        config.cert = "elsewhere"  # type: ignore[misc]
+    # Built in code, it is checked the same way and names the same variables.
+    with pytest.raises(ConfigError) as caught:
+        TLSConfig(cert=cert)
+    assert caught.value.field == TLS_KEY_ENV
 
 
 def test_a_whole_setting_reads_as_both_sides(full: dict[str, str], pem: tuple[str, str]) -> None:
