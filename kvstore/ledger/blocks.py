@@ -244,8 +244,10 @@ class PagedBlockLedger:
         """Mark the full block at ``block_index`` of the sequence as holding ``key``'s content.
 
         Registers the key so other sequences can share the block. Committing the same key again
-        is a no-op. If another block already serves ``key``, the first registration stays (see
-        the module docstring for what happens to this duplicate when it is freed).
+        registers it again if it has lost its block since (that block was evicted and reused),
+        and changes nothing otherwise. If another block already serves ``key``, the first
+        registration stays (see the module docstring for what happens to this duplicate when
+        it is freed).
 
         Raises:
             InvalidArgument: ``key`` is not 32 bytes, or ``block_index`` is not an int.
@@ -266,6 +268,8 @@ class PagedBlockLedger:
         block = table[block_index]
         held = self._key[block]
         if held == key:
+            # The key's registered block may have been evicted since this one was committed.
+            self._cached.setdefault(key, block)
             return
         if held is not None:
             raise LedgerError(

@@ -224,6 +224,24 @@ def test_duplicate_takes_over_a_key_evicted_while_it_was_in_use() -> None:
     assert ledger.free_order() == [1]
 
 
+def test_committing_again_registers_a_key_whose_block_was_evicted_since() -> None:
+    """Found by the ledger's property test: block 1 holds k(0) as a duplicate, k(0)'s block 0
+    is evicted and reused, then the engine commits k(0) on block 1 again; block 1 must now serve
+    k(0) (it used to be a no-op, leaving held content no lookup could find)."""
+    ledger = PagedBlockLedger(3)
+    ledger.allocate("a", 1)
+    ledger.allocate("b", 1)
+    ledger.commit("a", 0, k(0))
+    ledger.commit("b", 0, k(0))  # a duplicate: block 0 keeps the registration
+    ledger.free("a")
+    assert ledger.allocate("c", 2) == [2, 0]  # evicts k(0) from block 0
+    assert not ledger.is_cached(k(0))
+    ledger.commit("b", 0, k(0))
+    assert ledger.get_computed_blocks([k(0)]) == [1]
+    ledger.commit("b", 0, k(0))  # and again: nothing changes
+    assert ledger.get_computed_blocks([k(0)]) == [1]
+
+
 # --- rollback -------------------------------------------------------------------------------
 
 
