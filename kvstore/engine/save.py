@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvstore.engine._torch import engine_thread, index_tensor
+from kvstore.engine._torch import engine_thread, index_tensor, torch_module
 from kvstore.engine.rows import KVRows
 from kvstore.errors import InvalidArgument, SwapInError
 
@@ -163,8 +163,6 @@ class Gatherer:
     """The gather thread (CPU) or side stream (CUDA) every save batch of one engine uses."""
 
     def __init__(self, rows: KVRows) -> None:
-        from kvstore.engine._torch import torch_module
-
         self.rows = rows
         self.torch = torch_module()
         self.cuda = rows.cuda

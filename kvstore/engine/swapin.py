@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.engine._torch import engine_thread, index_tensor
+from kvstore.engine._torch import engine_thread, index_tensor, torch_module
 from kvstore.engine.rows import KVRows, as_ids, run_start
 from kvstore.engine.staging import StagedSource, StagingArea
 from kvstore.errors import InvalidArgument, LoadTimeout, SwapInError
@@ -119,8 +119,6 @@ class LayerLoad:
                     )
         event = self._cuda_events[layer]
         if event is not None:
-            from kvstore.engine._torch import torch_module
-
             torch_module().cuda.current_stream(self._device).wait_event(event)
 
     def done(self) -> bool:
@@ -150,8 +148,6 @@ class SwapIn:
         area: StagingArea | None = None,
         layer_timeout_s: float = 30.0,
     ) -> None:
-        from kvstore.engine._torch import torch_module
-
         self.rows = rows
         self.layer_timeout_s = layer_timeout_s
         self._torch = torch_module()
