@@ -3,24 +3,20 @@
 Call sites name methods through these (``fanout.submit(node_target(3), StorageNodeCalls.get,
 keys)``), so mypy checks every argument and result, and that the method is one the target's
 kind offers. The plain objects (``StorageNode``, ``MetaShard``) and their Ray shells
-(``kvstore.runtime.blockstore_actors``) are checked against them below and there: a signature
-that drifts on either side fails mypy. Only what is called through a fanout is here.
+(``kvstore.runtime.blockstore_actors``) are checked against them where they are defined (this
+module is the client's side and imports no server module): a signature that drifts on either
+side fails mypy. Only what is called through a fanout is here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from kvstore.blockstore.fanout import META, NODE, Target
-from kvstore.blockstore.meta import MetaReply
-from kvstore.blockstore.records import RemovedBlock, StripeRecord
-
-if TYPE_CHECKING:
-    from kvstore.blockstore.meta import MetaShard
-    from kvstore.blockstore.node import StorageNode
+from kvstore.blockstore.records import MetaReply, RemovedBlock, StripeRecord
 
 
 class StorageNodeCalls(Protocol):
@@ -117,9 +113,3 @@ def node_target(node_id: int) -> Target[StorageNodeCalls]:
 
 def meta_target(shard_id: int) -> Target[MetaShardCalls]:
     return Target(META, shard_id)
-
-
-if TYPE_CHECKING:
-    # The plain objects answer every call (the unit tests' LocalFanout calls them).
-    _node: type[StorageNodeCalls] = StorageNode
-    _meta: type[MetaShardCalls] = MetaShard

@@ -46,12 +46,12 @@ import numpy as np
 
 from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls, meta_target, node_target
 from kvstore.blockstore.fanout import Ticket, gather_async
-from kvstore.blockstore.meta import MetaReply
 from kvstore.blockstore.placement import place
 from kvstore.blockstore.reads import BlockReads
 from kvstore.blockstore.records import (
     Lease,
     LookupResult,
+    MetaReply,
     PutResult,
     PutStatus,
 )

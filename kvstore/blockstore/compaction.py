@@ -2,56 +2,48 @@
 ``compact_live_fraction``) have their live records copied into the open segment, in LSN-keeping
 copies (so a replay after a restart ends in the same state), and are removed once empty.
 
-A mixin of ``StorageNode`` (``node.py``): it works on the node's segments, index and live byte
-counts, which it names below; kept apart so the node module stays about serving calls.
+A collaborator of ``StorageNode`` (``node.py``), built on the node's segment log and index: the
+log says what segments there are and takes the copies, the index says which records are live
+and learns where they moved. What is its own is the progress of a move across calls (a budget
+a call may stop mid-segment) and the marks found live for the segment being moved.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvstore.blockstore.segmentlog import AppendFailed, SegmentLog
 from kvstore.blockstore.segments import (
     FLAG_COMMITTED,
     RECORD_BYTES,
     SHARD,
-    Segment,
-    entries_for,
     record_header,
-    segment_name,
 )
 from kvstore.blockstore.shardindex import ShardIndex
-
-if TYPE_CHECKING:
-    from kvstore.blockstore.config import StorageNodeConfig
-    from kvstore.privatefs import PrivateDir
 
 log = logging.getLogger(__name__)
 
 
 class Compaction:
-    """``compact`` and its steps; the node state it shares is declared here for the checker."""
+    """``compact`` and its steps over one log and its index."""
 
-    node_id: int
-    config: StorageNodeConfig
-    _segments: dict[int, Segment]
-    _live: Any
-    _index: ShardIndex
-    _open: Segment
-    _segdir: PrivateDir
-    _compacting: tuple[int, int] | None
-    _marks_cache: tuple[int, np.ndarray] | None = None  # (segment seq, marks_live) of a move
-    _counters: dict[str, int]
-
-    # The node's own (``StorageNode`` overrides both).
-    @property
-    def _syncs(self) -> bool:
-        raise NotImplementedError
-
-    def _start_batch(self, size: int) -> int:
-        raise NotImplementedError
+    def __init__(
+        self,
+        segments: SegmentLog,
+        index: ShardIndex,
+        live_fraction: float,
+        label: str = "compaction",
+    ) -> None:
+        """``live_fraction``: a sealed segment whose live share fell under it is emptied;
+        ``label``: whose log, for log messages."""
+        self._log = segments
+        self._index = index
+        self._live_fraction = live_fraction
+        self._label = label
+        self._compacting: tuple[int, int] | None = None  # (segment seq, next entry) of a move
+        self._marks_cache: tuple[int, np.ndarray] | None = None  # (seq, marks_live) of a move
 
     def compact(self, budget_bytes: int) -> dict[str, int]:
         """Move up to ``budget_bytes`` of live records out of sealed segments whose live share
@@ -69,25 +61,22 @@ class Compaction:
             moved += step
             if not finished:
                 break
-            self._remove_segment(seq)
+            self._log.remove(seq)
             removed += 1
-        self._counters["bytes_compacted"] += moved
-        self._counters["segments_compacted"] += removed
         return {"bytes_moved": moved, "segments_removed": removed}
 
     def _compaction_candidate(self) -> int | None:
         shares = {
-            seq: self._live[seq] / segment.size
-            for seq, segment in self._segments.items()
-            if segment.sealed and segment is not self._open
+            seq: self._index.live_bytes(seq) / size for seq, size in self._log.sealed().items()
         }
-        below = [seq for seq, share in shares.items() if share < self.config.compact_live_fraction]
+        below = [seq for seq, share in shares.items() if share < self._live_fraction]
         return min(below, key=shares.__getitem__) if below else None
 
     def _move_records(self, seq: int, start: int, budget: int) -> tuple[int, bool]:
         """Copy live records of segment ``seq`` from entry ``start`` on, up to ``budget``
         bytes; returns (bytes copied, whether the segment holds nothing live any more)."""
-        segment = self._segments[seq]
+        segment = self._log.segment(seq)
+        assert segment is not None, f"segment {seq} is being compacted but gone"
         entries = segment.all_entries()
         marks_live = self._marks_live(seq, entries)
         copies: list[tuple[int | None, bytes, np.ndarray | None]] = []  # (row, head, body)
@@ -118,31 +107,16 @@ class Compaction:
                 size += RECORD_BYTES
             position += 1
         if copies:
-            offset = self._start_batch(size)
-            parts: list[object] = []
-            offsets: list[int] = []
-            for _, head, copied in copies:
-                offsets.append(offset)
-                parts += (head,) if copied is None else (head, copied)
-                offset += len(head) + (0 if copied is None else copied.size)
             heads = b"".join(head for _, head, _ in copies)
             bodies = [b"" if copied is None else copied for _, _, copied in copies]
-            target = self._open
             try:
-                target.append(parts, [entries_for(offsets, heads, bodies)], self._syncs)
-            except OSError as error:
-                log.warning("node %d: compacting segment %d failed: %s", self.node_id, seq, error)
+                target, offsets = self._log.append(heads, bodies)
+            except AppendFailed as error:
+                log.warning("%s: compacting segment %d failed: %s", self._label, seq, error)
                 return 0, False
-            offset = target.size - size
-            columns = self._index.columns
-            for moved, _, copied in copies:
-                record_bytes = RECORD_BYTES + (0 if copied is None else copied.size)
+            for (moved, _, _), offset in zip(copies, offsets, strict=True):
                 if moved is not None:
-                    self._live[seq] -= record_bytes
-                    self._live[target.seq] += record_bytes
-                    columns["seg"][moved] = target.seq
-                    columns["offset"][moved] = offset
-                offset += record_bytes
+                    self._index.move(moved, target, offset)
         finished = position >= len(entries)
         self._compacting = None if finished else (seq, position)
         if finished:
@@ -158,7 +132,7 @@ class Compaction:
         cached = self._marks_cache
         if cached is not None and cached[0] == seq:
             return cached[1]
-        others = [s.all_entries() for q, s in self._segments.items() if q != seq]
+        others = self._log.entries_except(seq)
         shard_lsns = np.concatenate(
             [e["record"]["lsn"][e["record"]["kind"] == SHARD] for e in others]
             or [np.zeros(0, np.uint64)]
@@ -166,14 +140,6 @@ class Compaction:
         live = np.isin(entries["record"]["target_lsn"], shard_lsns)
         self._marks_cache = (seq, live)
         return live
-
-    def _remove_segment(self, seq: int) -> None:
-        segment = self._segments.pop(seq)
-        del self._live[seq]
-        segment.close()
-        self._segdir.remove(segment_name(seq))
-        if self.config.fsync == "always":
-            self._segdir.fsync()
 
 
 def _committed_copy(record: np.void, body_len: int) -> bytes:

@@ -37,6 +37,12 @@ segment. A COMMIT or DELETE record is live while a SHARD record with its target 
 some other segment (else a restart could replay that shard without the mark that acted on it).
 Reads never race a move: one thread owns the node, and a moved shard has the same bytes.
 
+**Parts.** The node serves calls and composes three collaborators, each owning its state: the
+segment log (``segmentlog.py``: segment files, the open one, LSNs, appends, reading back), the
+index (``shardindex.py``: rows, committed and pending maps, live bytes per segment) and
+compaction (``compaction.py``). The node keeps what is about serving: the data dir, the drain
+flag, capacity, scrub's cursor, the counters.
+
 Not thread-safe: one actor thread (or the lock of its shell) owns one node.
 """
 
@@ -47,28 +53,26 @@ import os
 import stat
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
-from kvstore.blockstore.capacity import NodeDisk, allocated_bytes
+from kvstore.blockstore.capacity import NodeDisk
 from kvstore.blockstore.compaction import Compaction
 from kvstore.blockstore.config import StorageNodeConfig
 from kvstore.blockstore.dirlock import DirLock
+from kvstore.blockstore.logfiles import DiskFiles
 from kvstore.blockstore.placement import meta_shard_of
+from kvstore.blockstore.records import split_shards
+from kvstore.blockstore.segmentlog import AppendFailed, SegmentLog
 from kvstore.blockstore.segments import (
     COMMIT,
     DELETE,
     RECORD_BYTES,
-    SEGMENT_HEADER_BYTES,
     SHARD,
-    Segment,
-    entries_for,
     header_ok,
-    open_segment,
     record_headers,
-    segment_files,
-    segment_name,
 )
 from kvstore.blockstore.shardindex import ShardIndex
 from kvstore.clock import Clock, SystemClock
@@ -76,6 +80,9 @@ from kvstore.ec.shard import parse_shard
 from kvstore.errors import ConfigError, CorruptShard, InvalidArgument, NodeDraining, StoreError
 from kvstore.keys import KEY_BYTES, BlockKey, check_key
 from kvstore.privatefs import PrivateDir
+
+if TYPE_CHECKING:
+    from kvstore.blockstore.calls import StorageNodeCalls
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +104,18 @@ MANIFEST_SCHEMA = pa.schema(
 )
 
 
-class StorageNode(Compaction):
+_MANIFEST_COLUMNS = (
+    "index",
+    "payload_len",
+    "class_id",
+    "created",
+    "body_len",
+    "stamp",
+    "payload_hash",
+)
+
+
+class StorageNode:
     """The shards of one failure domain."""
 
     def __init__(
@@ -119,20 +137,13 @@ class StorageNode(Compaction):
         self._lock = DirLock.take(self._root, f"storage node {node_id}", lock_timeout_s)
         self._check_owner()
         self._draining = self._read_draining()
-        self._segdir = self._root.subdir("segments")
+        segments = self._root.subdir("segments")
         self._disk = NodeDisk.of(
             self._root.fd, self.config.disk_reserve_fraction, self.config.disk_reserve_bytes
         )
-        self._index = ShardIndex()
-        self._committed = self._index.committed
-        self._pending = self._index.pending
-        self._live = self._index.live
-        self._segments: dict[int, Segment] = {}
-        self._next_lsn = 1
         #: (key, shard index) of committed shards found damaged; the next scrub reports them.
         self._damaged: list[tuple[bytes, int]] = []
         self._scrub_cursor = 0  # where the next scrub pass starts, round robin
-        self._compacting: tuple[int, int] | None = None  # (segment seq, next entry) of a move
         self._counters = {
             "puts": 0,
             "put_refused": 0,
@@ -152,8 +163,24 @@ class StorageNode(Compaction):
             "damaged_records": 0,
         }
         started = time.monotonic()
-        self._replay()
-        self._open = self._open_segment_for_appends()
+        label = f"node {node_id}"
+        self._log = SegmentLog(
+            DiskFiles(segments),
+            segment_bytes=self.config.segment_bytes,
+            fsync=self.config.fsync,
+            clock=self._clock,
+            label=label,
+        )
+        self._counters["damaged_records"] = self._log.damaged_records
+        self._index = ShardIndex()
+        tables = self._log.entry_tables()
+        if tables:
+            self._index.replay(tables)
+        self._committed = self._index.committed  # read-only views, always current
+        self._pending = self._index.pending
+        self._compaction = Compaction(
+            self._log, self._index, self.config.compact_live_fraction, label
+        )
         #: How long reading the log took at start (a restart's share that is the node's own).
         self._replay_s = time.monotonic() - started
 
@@ -222,69 +249,6 @@ class StorageNode(Compaction):
         self._draining = flag
         return flag
 
-    def _replay(self) -> None:
-        """Rebuild the index from the log (see the module doc)."""
-        tables = []
-        for name in sorted(segment_files(self._segdir)):
-            found = open_segment(self._segdir, name)
-            if found is None:
-                continue
-            segment, scan = found
-            for offset, reason in scan.damaged:
-                self._counters["damaged_records"] += 1
-                log.warning("node %d: %s at %d: %s", self.node_id, name, offset, reason)
-            self._segments[segment.seq] = segment
-            self._live[segment.seq] = 0
-            self._next_lsn = max(self._next_lsn, segment.first_lsn)
-            if scan.entries.size:
-                tables.append((segment.seq, scan.entries))
-        if tables:
-            self._next_lsn = max(self._next_lsn, self._index.replay(tables))
-
-    def _open_segment_for_appends(self) -> Segment:
-        """The newest unsealed segment, made ready for appends; or a new one. Older unsealed
-        segments (a node that died mid-roll) are sealed now."""
-        unsealed = sorted(seq for seq, seg in self._segments.items() if not seg.sealed)
-        for seq in unsealed:
-            segment = self._segments[seq]
-            segment.write_fd = self._segdir.open_write(segment_name(seq))
-            os.ftruncate(segment.write_fd, segment.size)  # cut a torn tail off
-            if seq != unsealed[-1]:
-                segment.seal(self._syncs)
-        if unsealed:
-            return self._segments[unsealed[-1]]
-        return self._new_segment()
-
-    def _new_segment(self) -> Segment:
-        seq = max(self._segments, default=0) + 1
-        segment = Segment.create(self._segdir, seq, self._next_lsn, self._clock.now())
-        if self.config.fsync == "always":
-            self._segdir.fsync()
-        self._segments[seq] = segment
-        self._live[seq] = 0
-        return segment
-
-    @property
-    def _syncs(self) -> bool:
-        return self.config.fsync != "never"
-
-    def _take_lsns(self, count: int) -> int:
-        first = self._next_lsn
-        self._next_lsn += count
-        return first
-
-    def _start_batch(self, size: int) -> int:
-        """Where a batch of ``size`` bytes goes in the open segment: sealed and replaced first
-        when the batch would take it past ``segment_bytes`` (a batch larger than that gets a
-        segment of its own)."""
-        if (
-            self._open.size > SEGMENT_HEADER_BYTES
-            and self._open.size + size > self.config.segment_bytes
-        ):
-            self._open.seal(self._syncs)
-            self._open = self._new_segment()
-        return self._open.size
-
     # --- write path ------------------------------------------------------------------------
 
     def put(
@@ -346,7 +310,7 @@ class StorageNode(Compaction):
         bodies = [shards[p] for p in positions]
         born = np.asarray(created, np.float64)[positions]
         kinds = np.asarray(class_ids, np.int64)[positions]
-        first_lsn = self._take_lsns(len(positions))
+        first_lsn = self._log.take_lsns(len(positions))
         heads = record_headers(
             SHARD,
             first_lsn,
@@ -358,22 +322,16 @@ class StorageNode(Compaction):
             stamp=now,
             body_len=lengths,
         )
-        start = self._start_batch(size)
-        offsets = (start + np.cumsum([0, *(RECORD_BYTES + n for n in lengths[:-1])])).tolist()
-        view = memoryview(heads)
-        parts: list[object] = []
-        for n, body in enumerate(bodies):
-            parts += (view[n * RECORD_BYTES : (n + 1) * RECORD_BYTES], body)
         try:
-            segment = self._open
-            segment.append(parts, [entries_for(offsets, heads, bodies)], self._syncs)
-        except OSError as error:
+            seq, offsets = self._log.append(heads, bodies)
+        except AppendFailed as error:
             log.warning("node %d: appending %d shards failed: %s", self.node_id, len(chosen), error)
             self._counters["put_refused"] += len(chosen)
             return results
-        rows = self._index.add_many(
-            len(chosen),
-            seg=segment.seq,
+        self._index.add_pending(
+            token,
+            chosen,
+            seg=seq,
             offset=offsets,
             body_len=lengths,
             index=indices,
@@ -384,14 +342,8 @@ class StorageNode(Compaction):
             payload_len=payload_lens,
             payload_hash=[_raw_word(d) for d in digests],
         )
-        pending = self._pending
-        for position, key, row in zip(positions, chosen, rows, strict=True):
-            previous = pending.pop((key, token), None)  # a retried put replaces its shard
-            if previous is not None:
-                self._index.drop(previous)
-            pending[(key, token)] = row
+        for position in positions:
             results[position] = True
-        self._live[segment.seq] += size
         self._counters["puts"] += len(chosen)
         self._counters["bytes_written"] += size
         return results
@@ -401,11 +353,8 @@ class StorageNode(Compaction):
         take (live records, as the GC does: ``capacity.py``), or what the disk has beyond its
         reserve."""
         if self.config.capacity_bytes is not None:
-            return self.config.capacity_bytes - sum(self._live.values())
+            return self.config.capacity_bytes - self._index.live_total()
         return self._disk.headroom(self._root.fd)
-
-    def _disk_bytes(self) -> int:
-        return sum(segment.size for segment in self._segments.values())
 
     def _marks(self, kind: int, targets: list[tuple[bytes, int, int]]) -> bool:
         """Append COMMIT or DELETE records for ``targets`` (key, token, target lsn) in one
@@ -413,17 +362,12 @@ class StorageNode(Compaction):
         if not targets:
             return True
         keys, tokens, lsns = zip(*targets, strict=True)
-        size = RECORD_BYTES * len(targets)
         heads = record_headers(
-            kind, self._take_lsns(len(targets)), keys, token=tokens, target_lsn=lsns
+            kind, self._log.take_lsns(len(targets)), keys, token=tokens, target_lsn=lsns
         )
-        start = self._start_batch(size)
-        offsets = range(start, start + size, RECORD_BYTES)
         try:
-            self._open.append(
-                [heads], [entries_for(offsets, heads, [b""] * len(targets))], self._syncs
-            )
-        except OSError as error:
+            self._log.append(heads, [b""] * len(targets))
+        except AppendFailed as error:
             log.warning("node %d: appending %d marks failed: %s", self.node_id, len(targets), error)
             return False
         return True
@@ -443,20 +387,14 @@ class StorageNode(Compaction):
             return [False] * len(checked)
         done = set()
         for key, _, _ in targets:
-            self._index.set_committed(key, self._pending.pop((key, token)))
+            self._index.commit(key, token)
             done.add(key)
         self._counters["commits"] += len(done)
         return [key in done for key in checked]
 
     def abort(self, token: int, keys: Sequence[bytes]) -> int:
         """Drop ``token``'s pending shards of ``keys``; returns how many were dropped."""
-        dropped = 0
-        for key in keys:
-            row = self._pending.pop((check_key(key), token), None)
-            if row is not None:
-                self._index.drop(row)
-                dropped += 1
-        return dropped
+        return sum(self._index.abort(bytes(check_key(key)), token) for key in keys)
 
     # --- read path -------------------------------------------------------------------------
 
@@ -467,15 +405,15 @@ class StorageNode(Compaction):
         self._counters["gets"] += len(keys)
         rows = [self._committed.get(bytes(key)) for key in keys]
         held = [row for row in rows if row is not None]
-        columns = self._index.columns
         lengths = np.full(len(keys), -1, np.int64)
         if not held:
             self._counters["get_missing"] += len(keys)
             return np.zeros(0, np.uint8), lengths
         at = np.array(held, np.int64)
-        segs = columns["seg"][at].tolist()
-        offsets = (columns["offset"][at] + RECORD_BYTES).tolist()
-        sizes = columns["body_len"][at].tolist()
+        index = self._index
+        segs = index.column("seg")[at].tolist()
+        offsets = (index.column("offset")[at] + RECORD_BYTES).tolist()
+        sizes = index.column("body_len")[at].tolist()
         buffer = np.empty(sum(sizes), np.uint8)
         view = memoryview(buffer)  # type: ignore[arg-type]
         position = 0
@@ -485,8 +423,7 @@ class StorageNode(Compaction):
             if row is None:
                 continue
             size = sizes[n]
-            segment = self._segments.get(segs[n])
-            if segment is not None and segment.read(offsets[n], size, view[position:]):
+            if self._log.read(segs[n], offsets[n], size, view[position:]):
                 lengths[i] = size
                 position += size
             else:
@@ -494,9 +431,8 @@ class StorageNode(Compaction):
             n += 1
         for i in lost:  # gone behind our back: report it, so repair re-creates the shard
             key = bytes(keys[i])
-            row = self._committed.pop(key)
-            self._damaged.append((key, self._index.get("index", row)))
-            self._index.drop(row)
+            self._damaged.append((key, self._index.get("index", self._committed[key])))
+            self._index.forget(key)
         self._counters["get_missing"] += len(keys) - len(held) + len(lost)
         self._counters["bytes_read"] += position
         return buffer[:position], lengths
@@ -518,7 +454,7 @@ class StorageNode(Compaction):
             row = self._committed.get(key)
             if row is None:
                 continue
-            if not_after is not None and float(self._index.columns["created"][row]) > not_after:
+            if not_after is not None and float(self._index.column("created")[row]) > not_after:
                 continue
             chosen.append(key)
         self._forget(chosen)
@@ -532,7 +468,7 @@ class StorageNode(Compaction):
         targets = [(key, 0, self._index.get("lsn", self._committed[key])) for key in keys]
         self._marks(DELETE, targets)
         for key in keys:
-            self._index.drop(self._committed.pop(key))
+            self._index.forget(key)
 
     def ping(self) -> int:
         return self.node_id
@@ -544,8 +480,7 @@ class StorageNode(Compaction):
 
     def close(self) -> None:
         """Stop serving (the open segment stays unsealed: a restart scans its tail)."""
-        for segment in self._segments.values():
-            segment.close()
+        self._log.close()
         self._lock.release()
 
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
@@ -557,10 +492,8 @@ class StorageNode(Compaction):
         ``filesystem`` once."""
         headroom = self._disk.headroom(self._root.fd)
         explicit = self.config.capacity_bytes
-        used = sum(
-            allocated_bytes(os.fstat(segment.read_fd)) for segment in self._segments.values()
-        )
-        live = sum(self._live.values())
+        used = self._log.allocated_bytes()
+        live = self._index.live_total()
         return {
             "node_id": self.node_id,
             "bytes_used": used,
@@ -570,9 +503,9 @@ class StorageNode(Compaction):
             "headroom_bytes": headroom,
             "shards": len(self._committed),
             "pending": len(self._pending),
-            "segments": len(self._segments),
+            "segments": len(self._log),
             "live_bytes": live,
-            "dead_bytes": max(0, self._disk_bytes() - live),
+            "dead_bytes": max(0, self._log.disk_bytes() - live),
             "draining": int(self._draining),
         }
 
@@ -595,17 +528,17 @@ class StorageNode(Compaction):
             owners = meta_shard_of(keys, num_meta_shards) if keys else np.zeros(0, np.int64)
             keys = [key for key, owner in zip(keys, owners, strict=True) if owner == meta_shard]
         rows = np.array([self._committed[key] for key in keys], np.int64)
-        columns = self._index.columns
-        digests = columns["payload_hash"][rows].astype("<u8").tobytes()
+        columns = {name: self._index.column(name)[rows] for name in _MANIFEST_COLUMNS}
+        digests = columns["payload_hash"].astype("<u8").tobytes()
         return pa.table(
             {
                 "key": pa.array(keys, type=pa.binary(KEY_BYTES)),
-                "shard_index": pa.array(columns["index"][rows], pa.uint8()),
-                "payload_len": pa.array(columns["payload_len"][rows].astype(np.int64), pa.int64()),
-                "class_id": pa.array(columns["class_id"][rows], pa.uint8()),
-                "created": pa.array(columns["created"][rows], pa.float64()),
-                "file_bytes": pa.array(columns["body_len"][rows].astype(np.int64), pa.int64()),
-                "stamp": pa.array(columns["stamp"][rows], pa.float64()),
+                "shard_index": pa.array(columns["index"], pa.uint8()),
+                "payload_len": pa.array(columns["payload_len"].astype(np.int64), pa.int64()),
+                "class_id": pa.array(columns["class_id"], pa.uint8()),
+                "created": pa.array(columns["created"], pa.float64()),
+                "file_bytes": pa.array(columns["body_len"].astype(np.int64), pa.int64()),
+                "stamp": pa.array(columns["stamp"], pa.float64()),
                 "payload_hash": pa.array(
                     [digests[8 * i : 8 * i + 8] for i in range(len(keys))], pa.binary(8)
                 ),
@@ -663,19 +596,18 @@ class StorageNode(Compaction):
 
     def _check_record(self, key: bytes, row: int) -> None:
         """Verify one committed shard's whole record, header and body (``CorruptShard``)."""
-        columns = self._index.columns
-        segment = self._segments.get(int(columns["seg"][row]))
-        record = np.empty(self._index.record_bytes(row), np.uint8)
+        index = self._index
+        record = np.empty(index.record_bytes(row), np.uint8)
         view = memoryview(record)  # type: ignore[arg-type]
-        if segment is None or not segment.read(int(columns["offset"][row]), record.size, view):
+        if not self._log.read(index.get("seg", row), index.get("offset", row), record.size, view):
             raise CorruptShard("unreadable (the segment is shorter than the index says)")
         head = view[:RECORD_BYTES]
         if not header_ok(head) or bytes(head[56:88]) != key:
             raise CorruptShard("its record header is damaged")
-        if int.from_bytes(head[8:16], "little") != int(columns["lsn"][row]):
+        if int.from_bytes(head[8:16], "little") != index.get("lsn", row):
             raise CorruptShard("its record header names another write")
         parsed = parse_shard(view[RECORD_BYTES:])
-        if parsed.key != key or parsed.index != int(columns["index"][row]):
+        if parsed.key != key or parsed.index != index.get("index", row):
             raise CorruptShard("shard names another block or stripe position")
 
     def locate(self, keys: Sequence[bytes]) -> list[tuple[str, int, int] | None]:
@@ -687,8 +619,8 @@ class StorageNode(Compaction):
             if row is None:
                 out.append(None)
                 continue
-            path = self._segdir.path / segment_name(self._index.get("seg", row))
-            out.append((str(path), self._index.get("offset", row), self._index.record_bytes(row)))
+            path = self._log.where(self._index.get("seg", row))
+            out.append((path, self._index.get("offset", row), self._index.record_bytes(row)))
         return out
 
     def reclaim_orphans(
@@ -705,7 +637,7 @@ class StorageNode(Compaction):
           GC delete that never arrived, or by a repair that moved the shard elsewhere.
         """
         cutoff = self._clock.now() - grace_s
-        stamps = self._index.columns["stamp"]
+        stamps = self._index.column("stamp")
         stale_pending = [pk for pk, row in self._pending.items() if stamps[row] < cutoff]
         for key, token in stale_pending:
             self.abort(token, [key])
@@ -728,6 +660,16 @@ class StorageNode(Compaction):
         self._counters["orphans_reclaimed"] += deleted + len(stale_pending)
         return {"pending_reclaimed": len(stale_pending), "committed_reclaimed": deleted}
 
+    def compact(self, budget_bytes: int) -> dict[str, int]:
+        """Move up to ``budget_bytes`` of live records out of sealed segments whose live share
+        fell under ``compact_live_fraction`` (the emptiest first) into the open segment, and
+        remove each segment once emptied; resumes where the last call stopped
+        (``compaction.py``)."""
+        done = self._compaction.compact(budget_bytes)
+        self._counters["bytes_compacted"] += done["bytes_moved"]
+        self._counters["segments_compacted"] += done["segments_removed"]
+        return done
+
 
 def _raw_word(payload_hash: int) -> int:
     """A codec payload hash (the int of its big-endian bytes) as the index column keeps it: its
@@ -735,17 +677,6 @@ def _raw_word(payload_hash: int) -> int:
     return int.from_bytes(payload_hash.to_bytes(8, "big"), "little")
 
 
-def split_shards(batch: tuple[np.ndarray, np.ndarray]) -> list[np.ndarray | None]:
-    """Cut ``StorageNode.get``'s (buffer, lengths) back into one view per key (None = absent)."""
-    buffer, lengths = batch
-    out: list[np.ndarray | None] = []
-    offset = 0
-    for length in lengths.tolist():
-        if length < 0:
-            out.append(None)
-            continue
-        out.append(buffer[offset : offset + length])
-        offset += length
-    if offset != buffer.size:
-        raise StoreError(f"shard batch of {buffer.size} bytes, lengths sum to {offset}")
-    return out
+if TYPE_CHECKING:
+    # The plain object answers every call a client makes through a fanout (``calls.py``).
+    _calls: type[StorageNodeCalls] = StorageNode

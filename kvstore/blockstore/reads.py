@@ -22,11 +22,11 @@ import numpy as np
 from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls, node_target
 from kvstore.blockstore.core import ClientCore
 from kvstore.blockstore.fanout import Ticket
-from kvstore.blockstore.node import split_shards
 from kvstore.blockstore.records import (
     BlockLocation,
     BlockReadOutcome,
     Lease,
+    split_shards,
 )
 from kvstore.ec.shard import (
     HEADER_BYTES,

@@ -1,13 +1,17 @@
-"""Small immutable values that cross actor boundaries in the block tier."""
+"""Small immutable values that cross actor boundaries in the block tier, and the reading of the
+replies that carry them: what clients and servers share, so a client imports no server module
+(``tests/unit/test_import_rules.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
+from kvstore.errors import StoreError
 from kvstore.keys import BlockKey, words_to_keys
 
 
@@ -140,3 +144,54 @@ class StripeRecord:
     size: int
     class_id: int
     created: float
+
+
+@dataclass(frozen=True)
+class MetaReply:
+    """Per-key answer of ``lookup``/``locate`` (arrays aligned with the asked keys)."""
+
+    found: np.ndarray  # bool: committed in the index
+    readable: np.ndarray  # bool: >= k shards on nodes not known down
+    placements: np.ndarray  # int32 (n, width), -1 = shard lost
+    sizes: np.ndarray  # int64
+    lease_until: float  # 0 when no lease was taken
+    rebuilding: bool
+    #: Nodes this shard knows are dead (from the repair loop): readers skip them at once.
+    down: tuple[int, ...] = ()
+    #: Index row of each found key (-1 otherwise): hand them back to ``release``.
+    rows: np.ndarray | None = None
+
+    def to_wire(self) -> tuple[Any, ...]:
+        """A plain tuple: what crosses Ray cheapest. Every extra argument and every dataclass
+        is serialised on its own: on this 2-core box a 6-argument call answering a dataclass of
+        arrays took ~1.7 ms, one tuple in and one out ~1.2 ms, an empty call ~0.65 ms."""
+        return (
+            self.found,
+            self.readable,
+            self.placements,
+            self.sizes,
+            self.lease_until,
+            self.rebuilding,
+            self.down,
+            self.rows,
+        )
+
+    @classmethod
+    def from_wire(cls, wire: tuple[Any, ...]) -> MetaReply:
+        return cls(*wire)
+
+
+def split_shards(batch: tuple[np.ndarray, np.ndarray]) -> list[np.ndarray | None]:
+    """Cut ``StorageNode.get``'s (buffer, lengths) back into one view per key (None = absent)."""
+    buffer, lengths = batch
+    out: list[np.ndarray | None] = []
+    offset = 0
+    for length in lengths.tolist():
+        if length < 0:
+            out.append(None)
+            continue
+        out.append(buffer[offset : offset + length])
+        offset += length
+    if offset != buffer.size:
+        raise StoreError(f"shard batch of {buffer.size} bytes, lengths sum to {offset}")
+    return out

@@ -33,9 +33,8 @@ import numpy as np
 from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls, meta_target, node_target
 from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.blockstore.fanout import Fanout, Ticket, gather
-from kvstore.blockstore.node import split_shards
 from kvstore.blockstore.placement import FailureDomains, meta_shard_of, replacements
-from kvstore.blockstore.records import StripeRecord
+from kvstore.blockstore.records import StripeRecord, split_shards
 from kvstore.clock import Clock, SystemClock
 from kvstore.ec import Codec
 from kvstore.ec.shard import check_shard

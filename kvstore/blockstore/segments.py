@@ -45,7 +45,10 @@ second payload hash exists.
 Record identity and order: every record gets the next LSN of its node. A compaction copy keeps
 the LSN of the record it copies (an LSN names an event, not a place), so a node that restarts
 replays every record it finds in LSN order (ties: the newer segment last) and reaches the state
-it had, whatever compaction moved where (``kvstore.blockstore.node`` owns that replay).
+it had, whatever compaction moved where (``segmentlog.py`` reads the segments back,
+``shardindex.py`` applies their records). An LSN above ``MAX_LSN`` is never written: a record
+or segment header claiming one is treated as damage and left out (a crafted one would otherwise
+move the node's next LSN past the u64 field, and no append could follow).
 
 Torn and corrupt records: a record whose header checksum fails ends the valid prefix of an open
 segment's scan; the scan then looks for the next valid header (a corrupt span in the middle
@@ -53,6 +56,8 @@ loses only what it covers) and the file is cut back to the end of the last valid
 appends never sit behind garbage. A body that fails its codec checksum is reported as corrupt and
 never indexed. In a sealed segment the footer lists the records; their bodies are verified when
 read (by the reader, end to end) and by scrub.
+
+File access goes through ``logfiles.py`` (disk, or memory in the log's unit tests).
 """
 
 from __future__ import annotations
@@ -60,22 +65,27 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
+from kvstore.blockstore.logfiles import DiskFiles, LogFile, LogFiles
 from kvstore.ec.shard import HEADER_BYTES as SHARD_HEADER_BYTES
 from kvstore.ec.shard import PAYLOAD_HASH
 from kvstore.errors import CorruptShard
-from kvstore.privatefs import PrivateDir, write_all
+from kvstore.privatefs import PrivateDir
 
 log = logging.getLogger(__name__)
 
 SHARD, COMMIT, DELETE = 1, 2, 3
 KINDS = (SHARD, COMMIT, DELETE)
 FLAG_COMMITTED = 1
+#: The highest LSN a node uses (LSNs count up from 1: at a billion records a second this lasts
+#: ~290 years). A record or segment header above it, checksum or not, is damage: replaying it
+#: would push the node's next LSN past what the u64 field holds, and every append would fail.
+MAX_LSN = 2**63 - 1
 
 SEGMENT_MAGIC = b"KVSEGv01"
 SEGMENT_HEADER = struct.Struct("<8sQQd24s8s")
@@ -255,13 +265,13 @@ class Scan:
 
 
 class Segment:
-    """One segment file: a read descriptor always, a write descriptor while it is the open one."""
+    """One segment file (``logfiles.LogFile``): readable always, written while it is the open
+    one."""
 
-    def __init__(self, seq: int, first_lsn: int, read_fd: int, size: int) -> None:
+    def __init__(self, seq: int, first_lsn: int, file: LogFile, size: int) -> None:
         self.seq = seq
         self.first_lsn = first_lsn
-        self.read_fd = read_fd
-        self.write_fd = -1
+        self.file = file
         self.size = size
         self.sealed = False
         #: Entries of the records appended since it was opened (open segment), joined at seal.
@@ -269,21 +279,18 @@ class Segment:
         self.entries: np.ndarray = np.zeros(0, ENTRY_DTYPE)
 
     @classmethod
-    def create(cls, directory: PrivateDir, seq: int, first_lsn: int, now: float) -> Segment:
+    def create(cls, files: LogFiles, seq: int, first_lsn: int, now: float) -> Segment:
         name = segment_name(seq)
-        write_fd = directory.create(name)
+        file = files.create(name)
         head = SEGMENT_HEADER.pack(SEGMENT_MAGIC, seq, first_lsn, now, bytes(24), bytes(8))
         head = head[:56] + xxhash.xxh3_64_digest(head[:56])
         try:
-            write_all(write_fd, [head], 0)
-            read_fd = directory.open_read(name)
+            file.write([head], 0)
         except OSError:
-            os.close(write_fd)
-            directory.remove(name)
+            file.close()
+            files.remove(name)
             raise
-        segment = cls(seq, first_lsn, read_fd, SEGMENT_HEADER_BYTES)
-        segment.write_fd = write_fd
-        return segment
+        return cls(seq, first_lsn, file, SEGMENT_HEADER_BYTES)
 
     def all_entries(self) -> np.ndarray:
         if self.pending_entries:
@@ -298,12 +305,12 @@ class Segment:
         start = self.size
         total = sum(memoryview(p).nbytes for p in parts)  # type: ignore[arg-type, misc]
         try:
-            write_all(self.write_fd, parts, start)
+            self.file.write(parts, start)
             if sync:
-                os.fdatasync(self.write_fd)
+                self.file.sync()
         except OSError:
             try:
-                os.ftruncate(self.write_fd, start)
+                self.file.truncate(start)
             except OSError:
                 log.exception("segment %d: could not cut a failed append back", self.seq)
             raise
@@ -311,39 +318,35 @@ class Segment:
         self.pending_entries.extend(entries)
 
     def seal(self, sync: bool) -> None:
-        """Write the footer and stop appending (the write descriptor is closed)."""
+        """Write the footer and stop appending (the file is closed for writes)."""
         entries = self.all_entries()
         body = entries.tobytes()
         trailer = TRAILER.pack(TRAILER_MAGIC, len(entries), self.size, xxhash.xxh3_64_digest(body))
-        write_all(self.write_fd, [body, trailer], self.size)
+        self.file.write([body, trailer], self.size)
         if sync:
-            os.fdatasync(self.write_fd)
-        os.close(self.write_fd)
-        self.write_fd = -1
+            self.file.sync()
+        self.file.end_writes()
         self.size += len(body) + len(trailer)
         self.sealed = True
 
     def read(self, offset: int, length: int, into: memoryview) -> bool:
         """Read ``length`` bytes at ``offset`` into ``into``; False when the file is short."""
-        got = os.preadv(self.read_fd, [into[:length]], offset)
-        return got == length
+        return self.file.read_into(offset, into[:length]) == length
 
     def close(self) -> None:
-        for fd in (self.read_fd, self.write_fd):
-            if fd >= 0:
-                os.close(fd)
-        self.read_fd = self.write_fd = -1
+        self.file.close()
 
 
-def open_segment(directory: PrivateDir, name: str) -> tuple[Segment, Scan] | None:
-    """Open an existing segment file and find its records (None: not a segment, logged)."""
+def open_segment(files: LogFiles, name: str) -> tuple[Segment, Scan] | None:
+    """Open an existing segment file and find its records (None: not a segment, logged).
+    Records with an LSN above ``MAX_LSN`` are reported damaged and left out."""
     seq = seq_of(name)
     if seq is None:
         return None
-    fd = directory.open_read(name)
+    file = files.open(name)
     try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, SEGMENT_HEADER_BYTES, 0)
+        size = file.size()
+        head = file.read(0, SEGMENT_HEADER_BYTES)
         if len(head) < SEGMENT_HEADER_BYTES:
             raise CorruptShard("shorter than its header")
         magic, stored_seq, first_lsn, _created, _pad, checksum = SEGMENT_HEADER.unpack(head)
@@ -353,32 +356,44 @@ def open_segment(directory: PrivateDir, name: str) -> tuple[Segment, Scan] | Non
             or checksum != xxhash.xxh3_64_digest(head[:56])
         ):
             raise CorruptShard("bad segment header")
-        scan = _read_footer(fd, size) or _scan(fd, size)
+        if first_lsn > MAX_LSN:
+            raise CorruptShard(f"segment header names LSN {first_lsn}, above the LSN space")
+        scan = _read_footer(file, size) or _scan(file, size)
     except (OSError, CorruptShard) as error:
-        os.close(fd)
-        log.warning("%s/%s is not a usable segment (%s); left alone", directory.path, name, error)
+        file.close()
+        log.warning("%s is not a usable segment (%s); left alone", files.where(name), error)
         return None
-    segment = Segment(seq, first_lsn, fd, scan.end)
+    _drop_beyond_lsn_space(scan)
+    segment = Segment(seq, first_lsn, file, scan.end)
     segment.entries = scan.entries
     segment.sealed = scan.sealed
     return segment, scan
 
 
-def _read_footer(fd: int, size: int) -> Scan | None:
+def _drop_beyond_lsn_space(scan: Scan) -> None:
+    """Leave out of ``scan`` the records whose LSN is above ``MAX_LSN`` (reported damaged)."""
+    beyond = scan.entries["record"]["lsn"] > MAX_LSN
+    if beyond.any():
+        for offset in scan.entries["offset"][beyond].tolist():
+            scan.damaged.append((offset, "record LSN above the LSN space (left out)"))
+        scan.entries = scan.entries[~beyond]
+
+
+def _read_footer(file: LogFile, size: int) -> Scan | None:
     if size < SEGMENT_HEADER_BYTES + TRAILER_BYTES:
         return None
-    trailer = os.pread(fd, TRAILER_BYTES, size - TRAILER_BYTES)
+    trailer = file.read(size - TRAILER_BYTES, TRAILER_BYTES)
     magic, count, footer_at, checksum = TRAILER.unpack(trailer)
     footer_bytes = count * ENTRY_DTYPE.itemsize
     if magic != TRAILER_MAGIC or footer_at + footer_bytes + TRAILER_BYTES != size:
         return None
-    body = os.pread(fd, footer_bytes, footer_at)
+    body = file.read(footer_at, footer_bytes)
     if len(body) != footer_bytes or xxhash.xxh3_64_digest(body) != checksum:
         return None
     return Scan(np.frombuffer(body, ENTRY_DTYPE).copy(), size, True, [])
 
 
-def _scan(fd: int, size: int) -> Scan:
+def _scan(file: LogFile, size: int) -> Scan:
     """Every valid record of a segment without a footer (headers checked, see the module doc).
 
     Bodies are not verified here: every reader checks what it decodes end to end and scrub
@@ -390,7 +405,7 @@ def _scan(fd: int, size: int) -> Scan:
     damaged: list[tuple[int, str]] = []
     runs: list[tuple[np.ndarray, np.ndarray]] = []
     end = SEGMENT_HEADER_BYTES
-    raw = os.pread(fd, size, 0)  # the one unsealed segment, at most ~segment_bytes
+    raw = file.read(0, size)  # the one unsealed segment, at most ~segment_bytes
     data = np.frombuffer(raw, np.uint8)
     offset = SEGMENT_HEADER_BYTES
     while offset + RECORD_BYTES <= len(raw):
@@ -471,10 +486,9 @@ def _resync(raw: bytes, start: int) -> int | None:
         position = found + 1
 
 
-def segment_files(directory: PrivateDir) -> Iterator[str]:
-    for entry in directory.entries():
-        if seq_of(entry.name) is not None and entry.is_file(follow_symlinks=False):
-            yield entry.name
+def segment_files(files: LogFiles) -> list[str]:
+    """The names of the segment files in ``files``, in sequence order."""
+    return sorted(name for name in files.names() if seq_of(name) is not None)
 
 
 def find_shard_records(node_dir: str | os.PathLike[str], key: bytes) -> list[tuple[str, int, int]]:
@@ -483,10 +497,11 @@ def find_shard_records(node_dir: str | os.PathLike[str], key: bytes) -> list[tup
     and tests that look at a node's disk from outside its process; the node itself answers
     ``StorageNode.locate`` from its index."""
     directory = PrivateDir.open(os.path.join(node_dir, "segments"), "node_dir", check_parent=False)
+    files = DiskFiles(directory)
     found: list[tuple[str, int, int]] = []
     try:
-        for name in sorted(segment_files(directory)):
-            opened = open_segment(directory, name)
+        for name in segment_files(files):
+            opened = open_segment(files, name)
             if opened is None:
                 continue
             segment, scan = opened
@@ -498,7 +513,7 @@ def find_shard_records(node_dir: str | os.PathLike[str], key: bytes) -> list[tup
                 records["body_len"][hits].tolist(),
                 strict=True,
             ):
-                found.append((str(directory.path / name), offset, RECORD_BYTES + body_len))
+                found.append((files.where(name), offset, RECORD_BYTES + body_len))
     finally:
         directory.close()
     return found

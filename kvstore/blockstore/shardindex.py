@@ -4,10 +4,17 @@ said, which are committed, and how many live bytes each segment holds.
 Rows live in numpy columns (~60 bytes a shard, plus the dict entry mapping its key to its row),
 not in Python objects: a node indexing millions of shards keeps that in RAM. ``replay`` rebuilds
 the whole index from the records of every segment (the rule is in ``kvstore.blockstore.node``).
+
+The index owns its maps and columns: callers read them (``committed``, ``pending``, ``live``
+as read-only mappings, ``column`` as read-only arrays) and change them only through the methods
+below, which keep them in step: a record is live exactly while a row points at it, so the live
+bytes of a segment move with every row added, dropped or moved, here and nowhere else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -33,52 +40,129 @@ class ShardIndex:
     )
 
     def __init__(self, capacity: int = 1024) -> None:
-        self.columns = {name: np.zeros(capacity, dtype) for name, dtype in self._COLUMNS}
+        self._columns = {name: np.zeros(capacity, dtype) for name, dtype in self._COLUMNS}
         self._free = list(range(capacity - 1, -1, -1))
-        self.committed: dict[bytes, int] = {}
-        self.pending: dict[tuple[bytes, int], int] = {}  # (key, writer token) -> row
+        self._committed: dict[bytes, int] = {}
+        self._pending: dict[tuple[bytes, int], int] = {}  # (key, writer token) -> row
         #: segment seq -> bytes of the records rows point at (the rest of the file is dead)
-        self.live: dict[int, int] = {}
+        self._live: dict[int, int] = {}
 
-    def add_many(self, count: int, **values: Any) -> list[int]:
+    # --- reading ---------------------------------------------------------------------------
+
+    @property
+    def committed(self) -> Mapping[bytes, int]:
+        """Key -> row of its committed shard (read-only, always current)."""
+        return MappingProxyType(self._committed)
+
+    @property
+    def pending(self) -> Mapping[tuple[bytes, int], int]:
+        """(key, writer token) -> row of a shard written but not committed (read-only)."""
+        return MappingProxyType(self._pending)
+
+    @property
+    def live(self) -> Mapping[int, int]:
+        """Segment seq -> bytes of the records rows point at (read-only)."""
+        return MappingProxyType(self._live)
+
+    def live_bytes(self, seq: int) -> int:
+        return self._live.get(seq, 0)
+
+    def live_total(self) -> int:
+        return sum(self._live.values())
+
+    def column(self, name: str) -> np.ndarray:
+        """One column, every row (free ones too), as a read-only view."""
+        view = self._columns[name].view()
+        view.flags.writeable = False
+        return view
+
+    def get(self, name: str, row: int) -> int:
+        return int(self._columns[name][row])
+
+    def record_bytes(self, row: int) -> int:
+        return RECORD_BYTES + int(self._columns["body_len"][row])
+
+    # --- changes ---------------------------------------------------------------------------
+
+    def add_pending(self, token: int, keys: Sequence[bytes], **values: Any) -> list[int]:
+        """Index ``keys``' new SHARD records, written by ``token``, as pending; their columns
+        set from ``values`` (per row or one). A pending shard of the same key and token (a
+        retried put) is dropped. Returns the rows."""
+        rows = self._add_many(len(keys), **values)
+        for key, row in zip(keys, rows, strict=True):
+            previous = self._pending.pop((key, token), None)
+            if previous is not None:
+                self._drop(previous)
+            self._pending[(key, token)] = row
+            self._count(row, 1)
+        return rows
+
+    def commit(self, key: bytes, token: int) -> bool:
+        """``token``'s pending shard of ``key`` becomes its committed one (an older committed
+        shard is dropped); False when there is no such pending shard."""
+        row = self._pending.pop((key, token), None)
+        if row is None:
+            return False
+        old = self._committed.get(key)
+        if old is not None:
+            self._drop(old)
+        self._committed[key] = row
+        return True
+
+    def abort(self, key: bytes, token: int) -> bool:
+        """Drop ``token``'s pending shard of ``key``; False when there is none."""
+        row = self._pending.pop((key, token), None)
+        if row is not None:
+            self._drop(row)
+        return row is not None
+
+    def forget(self, key: bytes) -> bool:
+        """Drop ``key``'s committed shard; False when there is none."""
+        row = self._committed.pop(key, None)
+        if row is not None:
+            self._drop(row)
+        return row is not None
+
+    def move(self, row: int, seq: int, offset: int) -> None:
+        """Row ``row``'s record now lies at (``seq``, ``offset``): a compaction copy."""
+        self._count(row, -1)
+        self._columns["seg"][row] = seq
+        self._columns["offset"][row] = offset
+        self._count(row, 1)
+
+    def _add_many(self, count: int, **values: Any) -> list[int]:
         """Rows for ``count`` new shards, their columns set from ``values`` (per row or one)."""
         while len(self._free) < count:
-            self._grow_to(2 * len(self.columns["seg"]))
+            self._grow_to(2 * len(self._columns["seg"]))
         rows = self._free[-count:][::-1]
         del self._free[-count:]
         at = np.array(rows, np.int64)
         for name, value in values.items():
-            self.columns[name][at] = value
+            self._columns[name][at] = value
         return rows
 
-    def free(self, row: int) -> None:
-        self._free.append(row)
+    def _count(self, row: int, sign: int) -> None:
+        """Count row ``row``'s record in (1) or out of (-1) its segment's live bytes; a segment
+        nothing points into has no entry (as after ``replay``)."""
+        seq = self.get("seg", row)
+        live = self._live.get(seq, 0) + sign * self.record_bytes(row)
+        if live:
+            self._live[seq] = live
+        else:
+            self._live.pop(seq, None)
 
-    def get(self, name: str, row: int) -> int:
-        return int(self.columns[name][row])
-
-    def record_bytes(self, row: int) -> int:
-        return RECORD_BYTES + int(self.columns["body_len"][row])
-
-    def drop(self, row: int) -> None:
+    def _drop(self, row: int) -> None:
         """Forget a row: its record becomes dead bytes."""
-        self.live[self.get("seg", row)] -= self.record_bytes(row)
-        self.free(row)
-
-    def set_committed(self, key: bytes, row: int) -> None:
-        """``row`` is now ``key``'s committed shard (an older one is dropped)."""
-        old = self.committed.get(key)
-        if old is not None:
-            self.drop(old)
-        self.committed[key] = row
+        self._count(row, -1)
+        self._free.append(row)
 
     def live_row(self, seq: int, offset: int, key: bytes, token: int) -> tuple[int, bool] | None:
         """The index row pointing at the SHARD record at (seq, offset), and whether it is the
         committed one; None when the record is dead."""
-        columns = self.columns
+        columns = self._columns
         for row, committed in (
-            (self.committed.get(key), True),
-            (self.pending.get((key, token)), False),
+            (self._committed.get(key), True),
+            (self._pending.get((key, token)), False),
         ):
             if row is not None and columns["seg"][row] == seq and columns["offset"][row] == offset:
                 return row, committed
@@ -112,20 +196,20 @@ class ShardIndex:
             ("payload_len", entries["payload_len"][shard]),
             ("payload_hash", entries["payload_hash"][shard].view("<u8")),
         ):
-            self.columns[name][:count] = values
+            self._columns[name][:count] = values
         row_of = np.full(len(entries), -1, np.int64)
         row_of[shard] = np.arange(count)
         tangled = self._apply_simple(records, row_of)
         self._apply_in_order(records[tangled], row_of[tangled], records["lsn"][shard].tolist())
-        used = np.zeros(len(self.columns["seg"]), bool)
-        used[list(self.committed.values())] = True
-        used[list(self.pending.values())] = True
+        used = np.zeros(len(self._columns["seg"]), bool)
+        used[list(self._committed.values())] = True
+        used[list(self._pending.values())] = True
         self._free = np.flatnonzero(~used)[::-1].tolist()
         live_rows = np.flatnonzero(used)
-        sizes = self.columns["body_len"][live_rows].astype(np.int64) + RECORD_BYTES
-        segs = self.columns["seg"][live_rows]
+        sizes = self._columns["body_len"][live_rows].astype(np.int64) + RECORD_BYTES
+        segs = self._columns["seg"][live_rows]
         for seq in np.unique(segs).tolist():
-            self.live[seq] = int(sizes[segs == seq].sum())
+            self._live[seq] = int(sizes[segs == seq].sum())
         return int(records["lsn"].max()) + 1
 
     def _apply_simple(self, records: np.ndarray, row_of: np.ndarray) -> np.ndarray:
@@ -144,9 +228,9 @@ class ShardIndex:
         lone = order[starts[counts == 1]]
         lone = lone[kind[lone] == SHARD]
         is_copy = (flags[lone] & FLAG_COMMITTED) != 0
-        self.committed.update(_pairs(records["key"][lone[is_copy]], row_of[lone[is_copy]]))
+        self._committed.update(_pairs(records["key"][lone[is_copy]], row_of[lone[is_copy]]))
         pending = lone[~is_copy]
-        self.pending.update(
+        self._pending.update(
             zip(
                 zip(_keys(records["key"][pending]), token[pending].tolist(), strict=True),
                 row_of[pending].tolist(),
@@ -162,7 +246,7 @@ class ShardIndex:
             & (keys[first] == keys[then]).all(axis=1)
         )
         first, then = first[paired], then[paired]
-        self.committed.update(_pairs(records["key"][first], row_of[first]))
+        self._committed.update(_pairs(records["key"][first], row_of[first]))
         handled = np.zeros(len(records), bool)
         handled[lone] = True
         handled[order[starts[counts == 1]]] = True  # a lone COMMIT or DELETE acts on nothing
@@ -171,7 +255,7 @@ class ShardIndex:
 
     def _apply_in_order(self, records: np.ndarray, rows: np.ndarray, lsn_of_row: list[int]) -> None:
         """Apply ``records`` one by one in their (LSN) order: the rule for any history."""
-        committed, pending = self.committed, self.pending
+        committed, pending = self._committed, self._pending
         for key, kind, flags, token, target, row in zip(
             _keys(records["key"]),
             records["kind"].tolist(),
@@ -200,13 +284,13 @@ class ShardIndex:
 
     def _grow_to(self, rows: int) -> None:
         """At least ``rows`` rows; the new ones are free."""
-        size = len(self.columns["seg"])
+        size = len(self._columns["seg"])
         if rows <= size:
             return
-        for name, column in self.columns.items():
+        for name, column in self._columns.items():
             grown = np.zeros(rows, column.dtype)
             grown[:size] = column
-            self.columns[name] = grown
+            self._columns[name] = grown
         self._free[:0] = range(rows - 1, size - 1, -1)  # used after the rows free already
 
 

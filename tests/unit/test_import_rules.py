@@ -10,6 +10,14 @@ and ``chaos`` — failure injection kills actors and machines, which only the ru
 
 Every import counts, including those inside functions: a lazy ``import ray`` is still a
 dependency on Ray.
+
+The block tier's client side imports no server module: the client, its reads, the repair loop
+and the GC worker reach storage nodes and meta shards only through a ``Fanout`` and the
+``calls.py`` protocols, and share with the servers only the values of ``records.py``; so a
+client process never loads the node's log, its index or a meta shard, and a server module can
+change without its clients importing it. Checked through every chain of kvstore imports (a
+shared module importing a server module would bring it into every client), ``if
+TYPE_CHECKING:`` imports included: each server module checks itself against ``calls.py``.
 """
 
 from __future__ import annotations
@@ -36,6 +44,32 @@ FORBIDDEN = ("ray", "kvstore.runtime")
 #: serves prompts in one engine (tests, benchmark, a user's smoke test).
 VLLM_GLUE = "kvstore.engine.vllm"
 VLLM_MODULES = (VLLM_GLUE, "kvstore.engine.vllm_run")
+
+#: The block tier's client side: what reaches nodes and meta shards through a ``Fanout``, and
+#: the modules it shares with the servers.
+CLIENT_SIDE = (
+    "kvstore.blockstore.client",
+    "kvstore.blockstore.core",
+    "kvstore.blockstore.reads",
+    "kvstore.blockstore.fanout",
+    "kvstore.blockstore.calls",
+    "kvstore.blockstore.placement",
+    "kvstore.blockstore.records",
+    "kvstore.blockstore.repair",
+    "kvstore.blockstore.repairloop",
+    "kvstore.gc.worker",
+    "kvstore.tier.cluster",
+)
+#: The servers' own modules: a storage node (its log, index, compaction) and a meta shard.
+SERVER_SIDE = (
+    "kvstore.blockstore.node",
+    "kvstore.blockstore.meta",
+    "kvstore.blockstore.compaction",
+    "kvstore.blockstore.segmentlog",
+    "kvstore.blockstore.segments",
+    "kvstore.blockstore.shardindex",
+    "kvstore.blockstore.logfiles",
+)
 
 
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -138,3 +172,72 @@ def test_only_the_connector_imports_vllm() -> None:
         "kvstore.engine.worker": sources["kvstore.engine.worker"] + lazy,
     }
     assert vllm_importers(broken) == ["kvstore.engine.worker"]
+
+
+def server_imports(modules: dict[str, str]) -> list[str]:
+    """``client -> ... -> server`` for each client-side module that reaches a server module
+    through kvstore imports (the shortest chain)."""
+    found = []
+    for start in CLIENT_SIDE:
+        came_from: dict[str, str] = {start: ""}
+        queue = [start]
+        while queue:
+            module = queue.pop(0)
+            if module in SERVER_SIDE:
+                chain = [module]
+                while came_from[chain[-1]]:
+                    chain.append(came_from[chain[-1]])
+                found.append(" -> ".join(reversed(chain)))
+                break
+            for name in sorted(imports_of(modules.get(module, ""))):
+                if name in modules and name not in came_from:
+                    came_from[name] = module
+                    queue.append(name)
+    return found
+
+
+def test_the_block_clients_import_no_server_module() -> None:
+    sources = package_sources()
+    assert set(CLIENT_SIDE + SERVER_SIDE) <= set(sources)  # the names are the modules'
+    assert server_imports(sources) == []
+
+
+def test_the_rule_catches_a_client_reaching_a_server_module() -> None:
+    sources = package_sources()
+    checked = "if TYPE_CHECKING:\n    from kvstore.blockstore.node import StorageNode\n"
+    lazy = "def f():\n    from kvstore.blockstore import segmentlog\n    return segmentlog\n"
+    for module, extra, chain in [
+        (
+            "kvstore.blockstore.client",
+            "from kvstore.blockstore.meta import MetaShard\n",
+            "kvstore.blockstore.client -> kvstore.blockstore.meta",
+        ),
+        (
+            "kvstore.blockstore.calls",
+            checked,
+            "kvstore.blockstore.calls -> kvstore.blockstore.node",
+        ),
+        (
+            "kvstore.blockstore.reads",
+            lazy,
+            "kvstore.blockstore.reads -> kvstore.blockstore.segmentlog",
+        ),
+        (
+            "kvstore.blockstore.repair",
+            "import kvstore.blockstore.compaction\n",
+            "kvstore.blockstore.repair -> kvstore.blockstore.compaction",
+        ),
+    ]:
+        broken = {**sources, module: sources[module] + extra}
+        assert chain in server_imports(broken), module
+    # Through a shared module: every client importing it reaches the server module.
+    broken = {
+        **sources,
+        "kvstore.blockstore.records": sources["kvstore.blockstore.records"]
+        + "from kvstore.blockstore.shardindex import ShardIndex\n",
+    }
+    assert (
+        "kvstore.blockstore.client -> kvstore.blockstore.records -> kvstore.blockstore.shardindex"
+        in server_imports(broken)
+    )
+    assert len(server_imports(broken)) > 5

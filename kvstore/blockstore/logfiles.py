@@ -1,0 +1,256 @@
+"""The files a storage node's segment log is made of, behind the few calls the log makes.
+
+Why an interface: the log's rules (record framing, torn tails cut back, replay, rolling,
+compaction) are about bytes at offsets, not about descriptors. With its file access behind
+``LogFiles``/``LogFile`` the whole log runs over ``MemoryFiles`` in a unit test, as LevelDB's
+log tests run over a string: write records, reopen, read them back, tear or damage bytes in
+place and see what a reopen makes of them. ``DiskFiles`` is the one the node serves from:
+every file reached relative to its held segments directory, never through a symlink
+(``kvstore.privatefs``), with the same calls the log made on descriptors before.
+
+A segment file has a reader always and a writer while it is the open segment (``start_writes``
+... ``end_writes``): a sealed segment is never written again.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kvstore.blockstore.capacity import allocated_bytes
+from kvstore.privatefs import PrivateDir, write_all
+
+
+class LogFile(Protocol):
+    """One segment file."""
+
+    def size(self) -> int: ...
+
+    def allocated_bytes(self) -> int: ...
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes at ``offset`` (fewer at the end of the file)."""
+        ...
+
+    def read_into(self, offset: int, into: memoryview) -> int:
+        """Fill ``into`` from ``offset``; returns the bytes read (fewer at the end)."""
+        ...
+
+    def start_writes(self) -> None:
+        """Open the file for writing (the open segment of a restarted log)."""
+        ...
+
+    def write(self, parts: Sequence[Any], offset: int) -> None:
+        """Write the buffers ``parts`` end to end at ``offset``: one call (``OSError``)."""
+        ...
+
+    def truncate(self, size: int) -> None: ...
+
+    def sync(self) -> None:
+        """Make what was written durable (``fdatasync``)."""
+        ...
+
+    def end_writes(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LogFiles(Protocol):
+    """The directory of a log's segment files."""
+
+    def names(self) -> list[str]:
+        """The regular files in it (a symlink is not one)."""
+        ...
+
+    def create(self, name: str) -> LogFile:
+        """A new empty file ``name``, open for writing; whatever was at the name is replaced."""
+        ...
+
+    def open(self, name: str) -> LogFile:
+        """The existing file ``name``, for reading (``OSError`` when absent or not a file)."""
+        ...
+
+    def remove(self, name: str) -> None: ...
+
+    def sync(self) -> None:
+        """Make creates and removes durable (the directory's ``fsync``)."""
+        ...
+
+    def where(self, name: str) -> str:
+        """``name`` as a person finds it (a path), for logs and tools."""
+        ...
+
+
+class DiskFile:
+    """A segment file on disk: a read descriptor, and a write descriptor while open."""
+
+    def __init__(self, directory: PrivateDir, name: str, read_fd: int, write_fd: int = -1) -> None:
+        self._directory = directory
+        self._name = name
+        self._read_fd = read_fd
+        self._write_fd = write_fd
+
+    def size(self) -> int:
+        return os.fstat(self._read_fd).st_size
+
+    def allocated_bytes(self) -> int:
+        return allocated_bytes(os.fstat(self._read_fd))
+
+    def read(self, offset: int, size: int) -> bytes:
+        return os.pread(self._read_fd, size, offset)
+
+    def read_into(self, offset: int, into: memoryview) -> int:
+        return os.preadv(self._read_fd, [into], offset)
+
+    def start_writes(self) -> None:
+        self._write_fd = self._directory.open_write(self._name)
+
+    def write(self, parts: Sequence[Any], offset: int) -> None:
+        write_all(self._write_fd, parts, offset)
+
+    def truncate(self, size: int) -> None:
+        os.ftruncate(self._write_fd, size)
+
+    def sync(self) -> None:
+        os.fdatasync(self._write_fd)
+
+    def end_writes(self) -> None:
+        if self._write_fd >= 0:
+            os.close(self._write_fd)
+        self._write_fd = -1
+
+    def close(self) -> None:
+        self.end_writes()
+        if self._read_fd >= 0:
+            os.close(self._read_fd)
+        self._read_fd = -1
+
+
+class DiskFiles:
+    """Segment files in a held private directory (``kvstore.privatefs``)."""
+
+    def __init__(self, directory: PrivateDir) -> None:
+        self.directory = directory
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.directory.entries() if e.is_file(follow_symlinks=False)]
+
+    def create(self, name: str) -> DiskFile:
+        write_fd = self.directory.create(name)
+        try:
+            read_fd = self.directory.open_read(name)
+        except OSError:
+            os.close(write_fd)
+            self.directory.remove(name)
+            raise
+        return DiskFile(self.directory, name, read_fd, write_fd)
+
+    def open(self, name: str) -> DiskFile:
+        return DiskFile(self.directory, name, self.directory.open_read(name))
+
+    def remove(self, name: str) -> None:
+        self.directory.remove(name)
+
+    def sync(self) -> None:
+        self.directory.fsync()
+
+    def where(self, name: str) -> str:
+        return str(self.directory.path / name)
+
+
+class MemoryFile:
+    """A segment file held in a ``bytearray`` (shared by every opening of the name)."""
+
+    def __init__(self, files: MemoryFiles, name: str, writable: bool) -> None:
+        self._files = files
+        self._name = name
+        self._writable = writable
+        self._closed = False
+
+    @property
+    def _data(self) -> bytearray:
+        if self._closed:
+            raise OSError(errno.EBADF, f"{self._name} is closed")
+        return self._files.data[self._name]
+
+    def size(self) -> int:
+        return len(self._data)
+
+    def allocated_bytes(self) -> int:
+        return len(self._data)
+
+    def read(self, offset: int, size: int) -> bytes:
+        return bytes(self._data[offset : offset + size])
+
+    def read_into(self, offset: int, into: memoryview) -> int:
+        chunk = self._data[offset : offset + len(into)]
+        into[: len(chunk)] = chunk
+        return len(chunk)
+
+    def start_writes(self) -> None:
+        self._writable = True
+
+    def _writer(self) -> bytearray:
+        if not self._writable:
+            raise OSError(errno.EBADF, f"{self._name} is not open for writing")
+        return self._data
+
+    def write(self, parts: Sequence[Any], offset: int) -> None:
+        data = self._writer()
+        blob = b"".join(memoryview(part).cast("B") for part in parts)
+        self._files.writes += 1
+        if self._files.fail_writes:
+            raise OSError(errno.ENOSPC, "no space left (MemoryFiles.fail_writes)")
+        if offset > len(data):
+            data.extend(bytes(offset - len(data)))
+        data[offset : offset + len(blob)] = blob
+
+    def truncate(self, size: int) -> None:
+        data = self._writer()
+        if size < len(data):
+            del data[size:]
+        else:
+            data.extend(bytes(size - len(data)))
+
+    def sync(self) -> None:
+        self._writer()
+
+    def end_writes(self) -> None:
+        self._writable = False
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class MemoryFiles:
+    """A directory of segment files in memory: what the log's unit tests run it over. Tests
+    reach the bytes through ``data`` (tear a tail, flip a byte) and count ``writes``;
+    ``fail_writes`` makes every write raise, as a full disk does."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytearray] = {}
+        self.writes = 0
+        self.fail_writes = False
+
+    def names(self) -> list[str]:
+        return sorted(self.data)
+
+    def create(self, name: str) -> MemoryFile:
+        self.data[name] = bytearray()
+        return MemoryFile(self, name, writable=True)
+
+    def open(self, name: str) -> MemoryFile:
+        if name not in self.data:
+            raise FileNotFoundError(errno.ENOENT, f"no file {name}")
+        return MemoryFile(self, name, writable=False)
+
+    def remove(self, name: str) -> None:
+        self.data.pop(name, None)
+
+    def sync(self) -> None:
+        pass
+
+    def where(self, name: str) -> str:
+        return f"memory:{name}"
