@@ -12,7 +12,13 @@ import pytest
 
 from kvstore.blockstore.config import StorageNodeConfig
 from kvstore.blockstore.node import StorageNode, split_shards
-from kvstore.blockstore.segments import RECORD_BYTES, SEGMENT_HEADER_BYTES, find_shard_records
+from kvstore.blockstore.segments import (
+    COMMIT,
+    RECORD_BYTES,
+    SEGMENT_HEADER_BYTES,
+    find_shard_records,
+    record_header,
+)
 from kvstore.clock import ManualClock
 from kvstore.ec import Codec
 from kvstore.ec.shard import parse_shard, payload_hash
@@ -147,6 +153,24 @@ def test_a_torn_tail_is_cut_off_and_appends_continue_after_it(tmp_path: Path) ->
     third = _reopen(again, tmp_path)
     assert third.holds([_key(1), _key(2), _key(3), _key(4), _key(5)]) == [True] * 3 + [False, True]
     assert third.stats()["damaged_records"] == 0  # the torn bytes were cut, not left behind
+
+
+def test_a_crafted_record_with_the_last_u64_lsn_is_refused_and_the_node_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A record with a good checksum and LSN 2**64-1 at the tail: replaying it would move the
+    next LSN past the u64 field (every later put and commit failing); it is damage instead."""
+    node = StorageNode(0, tmp_path, SMALL)
+    _stored(node, [1])
+    node.close()
+    with open(_segment_paths(tmp_path)[-1], "ab") as tail:
+        tail.write(record_header(COMMIT, 2**64 - 1, _key(9), token=5, target_lsn=1))
+    again = StorageNode(0, tmp_path, SMALL)
+    assert again.stats()["damaged_records"] == 1
+    _stored(again, [2])
+    third = _reopen(again, tmp_path)
+    assert third.holds([_key(1), _key(2)]) == [True, True]
+    third.close()
 
 
 def _flip_whole_bytes(data: bytearray, at: int) -> None:

@@ -1,0 +1,182 @@
+"""The segment log alone, over files in memory (as LevelDB's log tests run over a string):
+records written, read back after a reopen; a torn tail dropped and cut off; damage in the middle
+losing only what it covers; a crafted LSN at the top of the u64 space refused at reopen; a failed
+write leaving nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+import xxhash
+from segment_records import BODY_BYTES, key, marks, shards
+
+from kvstore.blockstore.logfiles import MemoryFiles
+from kvstore.blockstore.segmentlog import AppendFailed, SegmentLog
+from kvstore.blockstore.segments import (
+    COMMIT,
+    MAX_LSN,
+    RECORD_BYTES,
+    SEGMENT_HEADER,
+    SEGMENT_HEADER_BYTES,
+    SEGMENT_MAGIC,
+    SHARD,
+    record_header,
+    segment_name,
+)
+from kvstore.clock import ManualClock
+
+RECORD = RECORD_BYTES + BODY_BYTES
+
+
+def open_log(files: MemoryFiles, segment_bytes: int = 1 << 20) -> SegmentLog:
+    return SegmentLog(files, segment_bytes=segment_bytes, fsync="batch", clock=ManualClock())
+
+
+def records(log: SegmentLog) -> list[tuple[int, int, int, bytes]]:
+    """(segment, offset, lsn, key) of every record the log reads back, in file order."""
+    return [
+        (seq, int(entry["offset"]), int(entry["record"]["lsn"]), bytes(entry["record"]["key"]))
+        for seq, table in log.entry_tables()
+        for entry in table
+    ]
+
+
+def body(log: SegmentLog, seq: int, offset: int) -> bytes:
+    into = bytearray(BODY_BYTES)
+    assert log.read(seq, offset + RECORD_BYTES, BODY_BYTES, memoryview(into))
+    return bytes(into)
+
+
+def test_records_written_are_read_back_after_a_reopen() -> None:
+    files = MemoryFiles()
+    log = open_log(files)
+    seq, offsets, bodies = shards(log, [key(1), key(2), key(3)])
+    marks(log, COMMIT, [(key(1), 1, 1)])
+    assert offsets == [SEGMENT_HEADER_BYTES + n * RECORD for n in range(3)]
+    log.close()
+
+    again = open_log(files)
+    assert records(again) == [
+        (seq, offsets[0], 1, key(1)),
+        (seq, offsets[1], 2, key(2)),
+        (seq, offsets[2], 3, key(3)),
+        (seq, offsets[2] + RECORD, 4, key(1)),
+    ]
+    assert [body(again, seq, offset) for offset in offsets] == bodies
+    assert again.damaged_records == 0
+    assert again.take_lsns(1) == 5  # LSNs go on after the last one read back
+
+
+def test_a_batch_is_one_write() -> None:
+    files = MemoryFiles()
+    log = open_log(files)
+    before = files.writes
+    shards(log, [key(n) for n in range(50)])
+    marks(log, COMMIT, [(key(n), 1, n + 1) for n in range(50)])
+    assert files.writes == before + 2
+
+
+def test_segments_roll_and_sealed_ones_are_read_back_from_their_footer() -> None:
+    files = MemoryFiles()
+    log = open_log(files, segment_bytes=SEGMENT_HEADER_BYTES + 2 * RECORD)
+    for n in range(5):
+        shards(log, [key(n)])
+    shards(log, [key(10 + n) for n in range(4)])  # larger than a segment: one of its own
+    written = records(log)
+    assert len(log) == len(files.data) == 4
+    assert sorted(log.sealed()) == [1, 2, 3]
+    log.close()
+
+    again = open_log(files, segment_bytes=SEGMENT_HEADER_BYTES + 2 * RECORD)
+    assert records(again) == written
+    assert sorted(again.sealed()) == [1, 2, 3] and again.open_seq == 4
+
+
+def test_a_torn_tail_is_dropped_and_cut_off_and_appends_go_on_after_it() -> None:
+    files = MemoryFiles()
+    log = open_log(files)
+    shards(log, [key(1), key(2)])
+    log.close()
+    data = files.data[segment_name(1)]
+    del data[-50:]  # the last record's body half written
+
+    again = open_log(files)
+    assert [r[3] for r in records(again)] == [key(1)]
+    assert again.damaged_records == 1
+    assert len(data) == SEGMENT_HEADER_BYTES + RECORD  # the torn bytes are gone
+    seq, offsets, _ = shards(again, [key(3)])
+    assert offsets == [SEGMENT_HEADER_BYTES + RECORD]
+    again.close()
+    assert [r[3] for r in records(open_log(files))] == [key(1), key(3)]
+
+
+def test_a_corrupt_record_is_detected_and_loses_only_itself() -> None:
+    files = MemoryFiles()
+    log = open_log(files)
+    shards(log, [key(1), key(2), key(3)])
+    log.close()
+    files.data[segment_name(1)][SEGMENT_HEADER_BYTES + RECORD + 60] ^= 0xFF  # key(2)'s header
+
+    again = open_log(files)
+    assert [r[3] for r in records(again)] == [key(1), key(3)]
+    assert again.damaged_records == 1
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_a_crafted_lsn_at_the_top_of_the_u64_space_is_refused_at_reopen(sealed: bool) -> None:
+    """A record with a good checksum and LSN 2**64-1 would set the next LSN past the field:
+    every later append would raise OverflowError. It is left out as damage instead."""
+    files = MemoryFiles()
+    log = open_log(files, segment_bytes=SEGMENT_HEADER_BYTES + 3 * RECORD)
+    shards(log, [key(1)])
+    crafted = record_header(SHARD, 2**64 - 1, key(2), token=1, body_len=BODY_BYTES)
+    log.append(crafted, [bytes(BODY_BYTES)])
+    if sealed:
+        shards(log, [key(3), key(4)])  # rolls: the crafted record is in a footer now
+    log.close()
+
+    again = open_log(files)
+    assert key(2) not in [r[3] for r in records(again)]
+    assert again.damaged_records == 1
+    assert again.next_lsn <= MAX_LSN
+    shards(again, [key(5)])  # appends work, and go on working after another reopen
+    again.close()
+    assert records(open_log(files))[-1][3] == key(5)
+
+
+def test_a_segment_header_naming_an_lsn_beyond_the_space_is_not_used() -> None:
+    files = MemoryFiles()
+    open_log(files).close()
+    crafted = SEGMENT_HEADER.pack(SEGMENT_MAGIC, 1, 2**64 - 1, 0.0, bytes(24), bytes(8))
+    crafted = crafted[:56] + xxhash.xxh3_64_digest(crafted[:56])  # a good checksum
+    files.data[segment_name(1)][:SEGMENT_HEADER_BYTES] = crafted
+    again = open_log(files)
+    assert again.next_lsn == 1
+    shards(again, [key(1)])
+    assert records(again)[-1][2] == 1
+
+
+def test_a_failed_write_leaves_nothing_behind() -> None:
+    files = MemoryFiles()
+    log = open_log(files)
+    shards(log, [key(1)])
+    files.fail_writes = True
+    with pytest.raises(AppendFailed):
+        shards(log, [key(2)])
+    files.fail_writes = False
+    shards(log, [key(3)])
+    log.close()
+    assert [r[3] for r in records(open_log(files))] == [key(1), key(3)]
+
+
+def test_removing_a_sealed_segment_removes_its_file_but_never_the_open_one() -> None:
+    files = MemoryFiles()
+    log = open_log(files, segment_bytes=SEGMENT_HEADER_BYTES + RECORD)
+    shards(log, [key(1)])
+    shards(log, [key(2)])
+    assert list(log.sealed()) == [1]
+    log.remove(1)
+    assert sorted(files.data) == [segment_name(2)] and len(log) == 1
+    with pytest.raises(ValueError, match="open"):
+        log.remove(log.open_seq)
+    assert not log.read(1, SEGMENT_HEADER_BYTES, 1, memoryview(bytearray(1)))
+    assert [r[3] for r in records(log)] == [key(2)]
