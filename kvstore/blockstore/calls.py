@@ -1,11 +1,14 @@
-"""What storage nodes and meta shards answer through a ``Fanout``: one Protocol each.
+"""What storage nodes and meta shards answer remotely: one Protocol each.
 
 Call sites name methods through these (``fanout.submit(node_target(3), StorageNodeCalls.get,
 keys)``), so mypy checks every argument and result, and that the method is one the target's
-kind offers. The plain objects (``StorageNode``, ``MetaShard``) and their Ray shells
-(``kvstore.runtime.blockstore_actors``) are checked against them where they are defined (this
-module is the client's side and imports no server module): a signature that drifts on either
-side fails mypy. Only what is called through a fanout is here.
+kind offers. A Protocol is also where its remote signatures are written, besides the plain
+object's methods that implement them (``StorageNode``, ``MetaShard``, checked against the
+Protocols where they are defined: this module is the client's side and imports no server
+module): the Ray shells (``kvstore.runtime.blockstore_actors``) get their forwarders generated
+from these (``kvstore.runtime.forwards``), which refuses at import a Protocol method the plain
+class lacks or takes other parameters for. The calls that only tools, tests, repair and GC make
+through a Ray handle are here too, below the fanout ones.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
+import pyarrow as pa
 
 from kvstore.blockstore.fanout import META, NODE, Target
 from kvstore.blockstore.records import MetaReply, RemovedBlock, StripeRecord
@@ -44,6 +48,24 @@ class StorageNodeCalls(Protocol):
     def status(self) -> dict[str, int]: ...
 
     def set_draining(self, flag: bool) -> bool: ...
+
+    # Through a Ray handle only (the direct socket serves abort and holds by name too).
+
+    def abort(self, token: int, keys: Sequence[bytes]) -> int: ...
+
+    def holds(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def locate(self, keys: Sequence[bytes]) -> list[tuple[str, int, int] | None]:
+        """Where this node's shards of ``keys`` are on disk (tools, fault injection)."""
+        ...
+
+    def compact(self, budget_bytes: int) -> dict[str, int]:
+        """One compaction step now (the shell's background loop runs them anyway)."""
+        ...
+
+    def manifest(
+        self, meta_shard: int | None = None, num_meta_shards: int | None = None
+    ) -> pa.Table: ...
 
 
 class MetaShardCalls(Protocol):
@@ -105,6 +127,22 @@ class MetaShardCalls(Protocol):
     ) -> list[RemovedBlock]: ...
 
     def stored_bytes_by_class(self) -> dict[str, int]: ...
+
+    # Through a Ray handle only.
+
+    def lookup(
+        self,
+        keys: Sequence[bytes] | np.ndarray,
+        down_nodes: Sequence[int] = (),
+        traffic_class: str | None = None,
+        lease_seconds: float | None = None,
+        release_keys: Sequence[bytes] | np.ndarray | None = None,
+        release_rows: np.ndarray | None = None,
+    ) -> MetaReply: ...
+
+    def referenced(self, keys: Sequence[bytes], node_id: int) -> list[bool]: ...
+
+    def snapshot_table(self) -> pa.Table: ...
 
 
 def node_target(node_id: int) -> Target[StorageNodeCalls]:

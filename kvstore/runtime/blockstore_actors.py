@@ -1,8 +1,10 @@
 """Ray shells of the Block KVCache tier: storage nodes, meta shards, the repair loop.
 
-Each shell forwards to the plain object holding the logic (``kvstore.blockstore``); what lives
-here is only what needs Ray: finding peers by actor name, background threads (a meta shard's
-rebuild, the repair loop) and timeouts on calls to peers.
+Each shell forwards to the plain object holding the logic (``kvstore.blockstore``), with
+forwarders generated from the Protocols of ``kvstore.blockstore.calls``
+(``kvstore.runtime.forwards``); what is written here is only what needs Ray: finding peers by
+actor name, background threads (a meta shard's rebuild, the repair loop), timeouts on calls to
+peers, and the few calls that do more than forward.
 
 Ray is the control plane; shard bytes do not go through it. Every storage node and meta shard
 also serves the calls of the write and read paths (``FAST_NODE_METHODS``,
@@ -24,20 +26,17 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
-import pyarrow as pa
 import ray
 from ray.exceptions import RayError
 
 from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
 from kvstore.blockstore.fanout import META, NODE, Target
-from kvstore.blockstore.meta import MetaReply, MetaShard
+from kvstore.blockstore.meta import MetaShard
 from kvstore.blockstore.node import StorageNode
 from kvstore.blockstore.placement import meta_shard_of
-from kvstore.blockstore.records import RemovedBlock, StripeRecord
 from kvstore.blockstore.repair import HealthTracker, Repairer
 from kvstore.blockstore.repairloop import RepairLoop
 from kvstore.errors import StoreError
@@ -45,6 +44,7 @@ from kvstore.fastcall.server import FastCallServer
 from kvstore.fastcall.tls import tls_env_options, tls_from_env
 from kvstore.keys import BlockKey
 from kvstore.runtime.fanout import RayFanout
+from kvstore.runtime.forwards import forwards
 from kvstore.wire import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
@@ -67,9 +67,9 @@ COMPACTION_STEP_S = 0.1
 
 
 def _calls(protocol: type, names: Sequence[str]) -> tuple[Callable[..., Any], ...]:
-    """The methods of ``protocol`` among ``names``: what a fanout sends over the sockets (a
-    name the Protocol lacks is served, just never called through a fanout)."""
-    return tuple(getattr(protocol, name) for name in names if hasattr(protocol, name))
+    """The methods of ``protocol`` called ``names``: what a fanout sends over the sockets
+    (every name the sockets serve is a Protocol method: ``forwards`` counts it)."""
+    return tuple(getattr(protocol, name) for name in names)
 
 
 #: The calls clients make over the direct sockets instead of through Ray.
@@ -111,9 +111,19 @@ def name_resolver(deployment: str) -> Any:
 
 
 @ray.remote
+@forwards(
+    StorageNodeCalls,
+    to=StorageNode,
+    held_as="_node",
+    lock="_lock",
+    counted=NODE_FAST_NAMES,
+    counter="_ray_calls",
+)
 class StorageNodeActor:
     """A storage node; its data calls come over its direct socket too (see the module doc).
-    Every method holds ``_lock``: the plain node is single-threaded."""
+    Every method holds ``_lock``: the plain node is single-threaded, and a node that cannot
+    take its lock (a wedged disk) answers no ``ping`` or ``status`` either. The calls of
+    ``StorageNodeCalls`` are forwarded to the plain node (``kvstore.runtime.forwards``)."""
 
     def __init__(
         self,
@@ -170,72 +180,9 @@ class StorageNodeActor:
         """Where (and with which key) the direct socket of this incarnation listens."""
         return self._fast.endpoint
 
-    def ping(self) -> int:
-        with self._lock:  # a node that cannot take its lock (a wedged disk) does not answer
-            return self._node.ping()
-
-    def status(self) -> dict[str, int]:
-        with self._lock:  # as ping: a wedged node does not answer
-            return self._node.status()
-
-    def set_draining(self, flag: bool) -> bool:
-        with self._lock:
-            return self._node.set_draining(flag)
-
-    def locate(self, keys: Sequence[bytes]) -> list[tuple[str, int, int] | None]:
-        """Where this node's shards of ``keys`` are on disk (tools, fault injection)."""
-        with self._lock:
-            return self._node.locate(keys)
-
-    def compact(self, budget_bytes: int) -> dict[str, int]:
-        """One compaction step now (the background loop runs them anyway)."""
-        with self._lock:
-            return self._node.compact(budget_bytes)
-
     def incarnation(self) -> str:
         """Differs after every (re)start of the actor."""
         return self._incarnation
-
-    def put(
-        self,
-        token: int,
-        keys: Sequence[bytes],
-        shards: Sequence[np.ndarray],
-        class_ids: Sequence[int],
-        created: Sequence[float],
-    ) -> list[bool]:
-        with self._lock:
-            self._ray_calls["put"] += 1
-            return self._node.put(token, keys, shards, class_ids, created)
-
-    def commit(self, token: int, keys: Sequence[bytes]) -> list[bool]:
-        with self._lock:
-            self._ray_calls["commit"] += 1
-            return self._node.commit(token, keys)
-
-    def abort(self, token: int, keys: Sequence[bytes]) -> int:
-        with self._lock:
-            self._ray_calls["abort"] += 1
-            return self._node.abort(token, keys)
-
-    def get(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        with self._lock:
-            self._ray_calls["get"] += 1
-            return self._node.get(keys)
-
-    def delete(self, keys: Sequence[bytes], not_after: float | None = None) -> int:
-        with self._lock:
-            self._ray_calls["delete"] += 1
-            return self._node.delete(keys, not_after)
-
-    def holds(self, keys: Sequence[bytes]) -> list[bool]:
-        with self._lock:
-            self._ray_calls["holds"] += 1
-            return self._node.holds(keys)
-
-    def usage(self) -> dict[str, int]:
-        with self._lock:
-            return self._node.usage()
 
     def stats(self) -> dict[str, object]:
         """The node's figures, and the data calls each plane served (``fastcall``: the
@@ -246,16 +193,6 @@ class StorageNodeActor:
                 "fastcall": self._fast.stats(),
                 "ray_calls": dict(self._ray_calls),
             }
-
-    def manifest(
-        self, meta_shard: int | None = None, num_meta_shards: int | None = None
-    ) -> pa.Table:
-        with self._lock:
-            return self._node.manifest(meta_shard, num_meta_shards)
-
-    def scrub(self, limit: int = 1024, budget_bytes: int | None = None) -> dict[str, object]:
-        with self._lock:
-            return self._node.scrub(limit, budget_bytes)
 
     def reclaim_orphans(self, grace_s: float) -> dict[str, int]:
         """Delete pending shards older than ``grace_s`` and committed ones no meta shard maps to
@@ -294,7 +231,19 @@ class StorageNodeActor:
 
 
 @ray.remote
+@forwards(
+    MetaShardCalls,
+    to=MetaShard,
+    held_as="_meta",
+    lock="_lock",
+    counted=META_FAST_NAMES,
+    counter="_ray_calls",
+)
 class MetaShardActor:
+    """A meta shard; lookups and the write calls come over its direct socket too. The calls
+    of ``MetaShardCalls`` are forwarded to the plain shard under ``_lock``, all but
+    ``lookup_wire`` (``kvstore.runtime.forwards``)."""
+
     def __init__(self, shard_id: int, config: BlockStoreConfig, node_ids: Sequence[int]) -> None:
         self._meta = MetaShard(shard_id, config, rebuilding=True)
         self._incarnation = os.urandom(8).hex()
@@ -366,42 +315,6 @@ class MetaShardActor:
         """Start a fresh rebuild (operator action; lookups are misses until it ends)."""
         self._start_rebuild()
 
-    def begin_put(self, keys: Sequence[bytes], token: int) -> list[int]:
-        with self._lock:
-            self._ray_calls["begin_put"] += 1
-            return self._meta.begin_put(keys, token)
-
-    def commit(
-        self,
-        keys: Sequence[bytes],
-        token: int,
-        placements: np.ndarray,
-        sizes: Sequence[int],
-        class_id: int,
-    ) -> list[bool]:
-        with self._lock:
-            self._ray_calls["commit"] += 1
-            return self._meta.commit(keys, token, placements, sizes, class_id)
-
-    def abort_put(self, keys: Sequence[bytes], token: int) -> None:
-        with self._lock:
-            self._ray_calls["abort_put"] += 1
-            self._meta.abort_put(keys, token)
-
-    def lookup(
-        self,
-        keys: Sequence[bytes],
-        down_nodes: Sequence[int] = (),
-        traffic_class: str | None = None,
-        lease_seconds: float | None = None,
-        release_keys: np.ndarray | None = None,
-        release_rows: np.ndarray | None = None,
-    ) -> MetaReply:
-        with self._lock:
-            return self._meta.lookup(
-                keys, down_nodes, traffic_class, lease_seconds, release_keys, release_rows
-            )
-
     def lookup_wire(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
         with self._lock:
             self._ray_calls["lookup_wire"] += 1
@@ -409,75 +322,6 @@ class MetaShardActor:
                 return self._meta.lookup_wire(request)
             finally:
                 self._meta.after_reply()  # through Ray there is no "after the reply"
-
-    def locate(
-        self,
-        keys: Sequence[bytes],
-        down_nodes: Sequence[int] = (),
-        traffic_class: str | None = None,
-        lease_until: float | None = None,
-    ) -> MetaReply:
-        with self._lock:
-            return self._meta.locate(keys, down_nodes, traffic_class, lease_until)
-
-    def release(self, keys: Sequence[bytes] | np.ndarray, rows: np.ndarray | None = None) -> int:
-        with self._lock:
-            self._ray_calls["release"] += 1
-            return self._meta.release(keys, rows)
-
-    def mark_nodes(self, down: Sequence[int] = (), up: Sequence[int] = ()) -> list[int]:
-        with self._lock:
-            return self._meta.mark_nodes(down, up)
-
-    def repair_queue(
-        self,
-        dead_nodes: Sequence[int],
-        draining_nodes: Sequence[int],
-        limit: int,
-        max_bytes: int,
-        class_rank: Sequence[int] = (),
-        refresh: bool = False,
-    ) -> tuple[list[StripeRecord], dict[str, Any]]:
-        with self._lock:
-            return self._meta.repair_queue(
-                dead_nodes, draining_nodes, limit, max_bytes, class_rank, refresh
-            )
-
-    def set_placements(self, moves: Sequence[tuple[bytes, int, int, int]]) -> list[bool]:
-        with self._lock:
-            return self._meta.set_placements(moves)
-
-    def referenced(self, keys: Sequence[bytes], node_id: int) -> list[bool]:
-        with self._lock:
-            return self._meta.referenced(keys, node_id)
-
-    def gc_expire(
-        self,
-        now: float,
-        ttl_seconds_by_class: dict[str, float],
-        basis: str = "last_access",
-        limit: int | None = None,
-    ) -> list[RemovedBlock]:
-        with self._lock:
-            return self._meta.gc_expire(now, ttl_seconds_by_class, basis, limit)
-
-    def gc_lru_candidates(self, now: float, bytes_needed: int) -> list[tuple[float, bytes, int]]:
-        with self._lock:
-            return self._meta.gc_lru_candidates(now, bytes_needed)
-
-    def gc_evict(
-        self, keys: Sequence[bytes], now: float, chosen_at: float | None = None
-    ) -> list[RemovedBlock]:
-        with self._lock:
-            return self._meta.gc_evict(keys, now, chosen_at)
-
-    def stored_bytes_by_class(self) -> dict[str, int]:
-        with self._lock:
-            return self._meta.stored_bytes_by_class()
-
-    def snapshot_table(self) -> pa.Table:
-        with self._lock:
-            return self._meta.snapshot_table()
 
     def stats(self) -> dict[str, object]:
         """The shard's figures, its last rebuild, and the fast-plane calls each plane served
@@ -606,12 +450,6 @@ def actor_options(name: str, **extra: Any) -> dict[str, Any]:
     }
     options.update(extra)
     return options
-
-
-if TYPE_CHECKING:
-    # The shells answer every call a fanout makes of them (a drifted signature fails mypy).
-    _node_shell: type[StorageNodeCalls] = StorageNodeActor
-    _meta_shell: type[MetaShardCalls] = MetaShardActor
 
 
 __all__ = [

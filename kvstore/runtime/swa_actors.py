@@ -43,15 +43,15 @@ from kvstore.keys import BlockKey
 from kvstore.runtime.blockstore_actors import find_actor
 from kvstore.runtime.cluster import pin_to_node
 from kvstore.runtime.fanout import RayFanout
+from kvstore.runtime.forwards import forwards
 from kvstore.swa.agent import StoreAgent
+from kvstore.swa.calls import DirectoryShardCalls
 from kvstore.swa.client import SWAClient
 from kvstore.swa.config import SWAConfig
 from kvstore.swa.directory import (
     DirectoryShard,
     ShardMap,
     StoreRef,
-    SyncReply,
-    SyncRequest,
     shard_ids,
 )
 from kvstore.swa.store import SWAStore, pool_max_state_bytes
@@ -105,8 +105,10 @@ def entry_actor_name(config: SWAConfig, shard_id: str) -> str:
 
 
 @ray.remote
+@forwards(DirectoryShardCalls, to=DirectoryShard, held_as="_shard", lock="_lock")
 class SWAEntrypointActor:
-    """One directory shard. Synchronous: calls run one at a time, in arrival order per caller."""
+    """One directory shard. Synchronous: calls run one at a time, in arrival order per caller.
+    ``sync`` and ``lookup`` are forwarded to the plain shard (``kvstore.runtime.forwards``)."""
 
     def __init__(self, shard_id: str, owner_timeout_s: float) -> None:
         self._shard = DirectoryShard(shard_id, owner_timeout_s=owner_timeout_s, clock=SystemClock())
@@ -124,16 +126,6 @@ class SWAEntrypointActor:
 
     def fast_endpoint(self) -> tuple[str, int, bytes]:
         return self._fast.endpoint
-
-    def sync(self, request: SyncRequest) -> SyncReply:
-        with self._lock:
-            return self._shard.sync(request)
-
-    def lookup(
-        self, keys: Sequence[BlockKey], prefer_machine: str | None = None
-    ) -> list[StoreRef | None]:
-        with self._lock:
-            return self._shard.lookup(keys, prefer_machine)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -625,6 +617,4 @@ class SWARayTransport:
 
 
 if TYPE_CHECKING:
-    # The entrypoint's shell answers what a fanout asks of it (a drifted signature fails mypy).
-    _entry_shell: type[EntrypointCalls] = SWAEntrypointActor
     _store_socket: type[StoreCalls] = _SocketFetch  # (the async shell's ``fetch`` mirrors it)
