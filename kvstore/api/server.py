@@ -233,7 +233,7 @@ async def create_server(
     ]
     server = grpc.aio.server(interceptors=[AuthInterceptor(authenticator)], options=channel_options)
     executor = ThreadPoolExecutor(options.worker_threads, thread_name_prefix="kvstore-rpc")
-    views = TenantViews(tier, lease_seconds=float(getattr(tier, "lease_seconds", 60.0)))
+    views = TenantViews(tier)
     servicer = KVStoreServicer(
         views, authenticator, executor, options.max_in_flight, limits, metrics
     )

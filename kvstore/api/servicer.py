@@ -36,9 +36,9 @@ from kvstore.api.metrics import ApiMetrics
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import ConfigError, InvalidArgument, KVStoreError, Overloaded, grpc_status_name
-from kvstore.keys import KEY_BYTES, BlockKey, block_key_words, key_words
+from kvstore.keys import KEY_BYTES, BlockKey, key_words
 from kvstore.tenants import RateLimiter, Tenant
-from kvstore.tier.records import HitRequest, Layout
+from kvstore.tier.records import MAX_CLASS_CHARS, HitRequest, Layout
 from kvstore.tier.tenancy import TenantView, TenantViews
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ T = TypeVar("T")
 
 MAX_KEYS_PER_REQUEST = 1 << 16  # 8M tokens of prompt: far beyond any model's context
 MAX_LEASE_ID_CHARS = 128
-MAX_CLASS_CHARS = 64
+
 _MODES = {
     pb.HIT_MODE_UNSPECIFIED: "standard",
     pb.HIT_MODE_STANDARD: "standard",
@@ -96,12 +96,6 @@ def _short_string(value: str, field: str, limit: int) -> str:
     return value
 
 
-def _non_negative(value: int, field: str) -> int:
-    if value < 0:
-        raise InvalidArgument(field, f"must be ≥ 0, got {value}")
-    return value
-
-
 def _layout(message: Any, limits: GatewayLimits) -> Layout | None:
     """The layout a request names (None: the tier's own), checked."""
     if not message.HasField("layout"):
@@ -128,15 +122,6 @@ def _peer_host(peer: str) -> str:
     if kind == "ipv6":
         return rest.rpartition("]")[0].lstrip("[")
     return rest.rpartition(":")[0] if kind == "ipv4" else ""
-
-
-def _fits_prompt(keys: np.ndarray, prompt_len: int, field: str) -> None:
-    if keys.shape[0] * 128 > prompt_len:
-        raise InvalidArgument(
-            "prompt_len",
-            f"{prompt_len} tokens cannot hold the {keys.shape[0]} blocks of {field} "
-            f"({keys.shape[0] * 128} tokens)",
-        )
 
 
 @dataclass(frozen=True)
@@ -303,44 +288,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def _query_hit(self, call: _Call, request: Any, context: Any) -> Any:
         view = call.view
-        prompt_len, mode, traffic_class, layout = await self._validate(
-            context, "QueryHit", lambda: self._query_args(request)
-        )
-        tokens = request.token_ids
-        if tokens:
-            prompt_len = len(tokens)
-            fingerprint = view.layout(layout).fingerprint
-
-            def hash_tokens() -> np.ndarray:
-                # (Slicing the repeated field would copy it element by element: ~50 ms for 1M.)
-                return block_key_words(fingerprint, np.asarray(tokens))
-
-            keys = await self._run(
-                call, context, hash_tokens, inline=len(tokens) <= self._limits.inline_hash_tokens
-            )
-        elif request.block_keys_packed:
-            keys = await self._validate(
+        hit = await self._validate(context, "QueryHit", lambda: self._hit_request(request))
+        tokens = hit.token_ids
+        if tokens is not None:
+            # Hashed here, once, under the layout's fingerprint; long prompts in the pool.
+            fingerprint = view.layout(hit.layout).fingerprint
+            words = await self._run(
+                call,
                 context,
-                "QueryHit",
-                lambda: _packed_key_words(request.block_keys_packed, "block_keys_packed"),
+                lambda: hit.words(fingerprint),
+                inline=len(tokens) <= self._limits.inline_hash_tokens,
             )
-        else:
-            keys = await self._validate(
-                context, "QueryHit", lambda: _key_words(request.block_keys, "block_keys")
-            )
-        field_name = "block_keys_packed" if request.block_keys_packed else "block_keys"
-        if not tokens:
-            await self._validate(
-                context, "QueryHit", lambda: _fits_prompt(keys, prompt_len, field_name)
-            )
-        hit = HitRequest(
-            block_keys=keys,
-            prompt_len=prompt_len,
-            mode=mode,
-            traffic_class=traffic_class,
-            take_lease=request.take_lease,
-            layout=layout,
-        )
+            hit = hit.with_words(words)
         answer = await self._run(
             call,
             context,
@@ -372,11 +331,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             hit_block_keys_packed=answer.hit_keys_packed if packed else b"",
         )
 
-    def _query_args(self, request: Any) -> tuple[int, str, str, Layout | None]:
+    def _hit_request(self, request: Any) -> HitRequest:
+        """The message as the one checked ``HitRequest`` (its token ids not hashed yet)."""
         if request.mode not in _MODES:
             raise InvalidArgument("mode", f"unknown hit mode {request.mode}")
-        traffic_class = _short_string(request.traffic_class, "traffic_class", MAX_CLASS_CHARS)
-        prompt_len = _non_negative(request.prompt_len, "prompt_len")
         given = [
             name
             for name in ("token_ids", "block_keys", "block_keys_packed")
@@ -388,16 +346,25 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 f"give one of token_ids, block_keys, block_keys_packed; got {' and '.join(given)}",
             )
         tokens = len(request.token_ids)
-        if tokens:
-            if tokens > self._limits.max_tokens:
-                raise InvalidArgument(
-                    "token_ids", f"at most {self._limits.max_tokens} tokens, got {tokens}"
-                )
-            if prompt_len not in (0, tokens):
-                raise InvalidArgument(
-                    "prompt_len", f"{prompt_len} differs from the {tokens} token_ids given"
-                )
-        return prompt_len, _MODES[request.mode], traffic_class, _layout(request, self._limits)
+        if tokens > self._limits.max_tokens:
+            raise InvalidArgument(
+                "token_ids", f"at most {self._limits.max_tokens} tokens, got {tokens}"
+            )
+        keys = None
+        if request.block_keys_packed:
+            keys = _packed_key_words(request.block_keys_packed, "block_keys_packed")
+        elif not tokens:
+            keys = _key_words(request.block_keys, "block_keys")
+        return HitRequest(
+            # (Slicing or copying the repeated field would go element by element: ~50 ms for 1M.)
+            token_ids=request.token_ids if tokens else None,
+            block_keys=keys,
+            prompt_len=request.prompt_len,
+            mode=_MODES[request.mode],
+            traffic_class=request.traffic_class,
+            take_lease=request.take_lease,
+            layout=_layout(request, self._limits),
+        )
 
     async def PutBlocks(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
         call = await self._enter("PutBlocks", context)

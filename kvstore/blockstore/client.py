@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls, meta_target, node_target
-from kvstore.blockstore.fanout import Ticket, gather_async
+from kvstore.blockstore.fanout import Ticket, gathered
 from kvstore.blockstore.placement import place
 from kvstore.blockstore.reads import BlockReads
 from kvstore.blockstore.records import (
@@ -61,6 +61,7 @@ from kvstore.errors import (
     NodeUnavailable,
 )
 from kvstore.keys import BlockKey, key_words
+from kvstore.pending import Pending
 
 log = logging.getLogger(__name__)
 
@@ -281,29 +282,22 @@ class BlockStoreClient(BlockReads):
     ) -> LookupResult:
         """Longest consecutive prefix of ``keys`` whose blocks are committed and readable, with
         a lease on them (release it when read). Unreachable meta shards count as misses."""
-        return self.lookup_many([(keys, traffic_class)])[0]
+        return self.lookups([(keys, traffic_class)]).result()[0]
 
-    def lookup_many(
+    def lookups(
         self, requests: Sequence[tuple[Sequence[bytes] | np.ndarray, str | None]]
-    ) -> list[LookupResult]:
+    ) -> Pending[list[LookupResult]]:
         """``lookup`` of several key lists in one round: one call per meta shard and traffic
         class however many requests there are (a gateway coalesces concurrent QueryHits here,
-        so its Ray call rate does not grow with its concurrency).
+        so its call rate does not grow with its concurrency). The calls are out when this
+        returns; wait for the answer from a thread (``result()``) or a loop (``await``).
 
         Keys travel as one (n, 4) uint64 array per call and come back as arrays: no Python
         object per key anywhere on this path (at 1,000 keys per request those objects, their
         pickling and the cyclic GC they feed were most of the cost)."""
         lookups = self._start_lookups(requests)
-        return self._finish_lookups(lookups, self._gather(lookups.tickets, self._timeout))
-
-    async def lookup_many_async(
-        self, requests: Sequence[tuple[Sequence[bytes] | np.ndarray, str | None]]
-    ) -> list[LookupResult]:
-        """``lookup_many`` for a caller on an asyncio loop (the gateway's hit path): the same
-        calls and answers, the waiting done by the loop."""
-        lookups = self._start_lookups(requests)
-        outcomes = await gather_async(self._fanout, lookups.tickets, self._timeout)
-        return self._finish_lookups(lookups, outcomes)
+        outcomes = gathered(self._fanout, lookups.tickets, self._timeout)
+        return outcomes.then(lambda answered: self._finish_lookups(lookups, answered))
 
     @property
     def _timeout(self) -> float:
@@ -495,7 +489,7 @@ def _flat(payload: object) -> memoryview:
 
 @dataclass
 class _Lookups:
-    """One round of ``lookup_many`` in flight: the requests' keys, their groups by traffic class
+    """One round of ``lookups`` in flight: the requests' keys, their groups by traffic class
     (request indices, their keys end to end) and each call's (group, positions in it)."""
 
     words: list[np.ndarray]

@@ -13,7 +13,8 @@ and that the method belongs to the target's kind::
     acks = fanout.result(ticket)  # list[bool]
 
 The fanouts dispatch by the method's name. ``gather`` is the one way to wait for many calls
-under one deadline.
+under one deadline (``gathered``: the same as a ``kvstore.pending.Pending``, for callers on
+either side of an asyncio loop).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, Concatenate, Generic, NamedTuple, ParamSpec, Protocol, TypeVar
 
 from kvstore.errors import NodeUnavailable
+from kvstore.pending import Pending
 
 NODE = "node"
 META = "meta"
@@ -113,6 +115,17 @@ async def gather_async(
     order = list(tickets)
     await fanout.wait_all_async(order, timeout)
     return _collect(fanout, order, time.monotonic(), timeout)
+
+
+def gathered(
+    fanout: Fanout, tickets: Iterable[Ticket[R]], timeout: float
+) -> Pending[dict[Ticket[R], R | NodeUnavailable]]:
+    """``gather`` as a ``Pending``: waited for from a thread (``gather``) or from a loop
+    (``gather_async``), whichever side the caller is on."""
+    order = list(tickets)
+    return Pending(
+        lambda: gather(fanout, order, timeout), lambda: gather_async(fanout, order, timeout)
+    )
 
 
 def _collect(

@@ -23,10 +23,8 @@ import numpy as np
 from kvstore.api.client import KVStoreClient
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import GeometryConfig
-from kvstore.keys import BlockKey
+from kvstore.keys import BLOCK_TOKENS, BlockKey
 from kvstore.tier.records import HitRequest
-
-_TOKENS_PER_BLOCK = 128
 
 
 @dataclass(frozen=True)
@@ -178,7 +176,7 @@ class _Client:
                     self._get()
                 elif choice < 0.75 and self._keys:
                     prefix = self._keys[: self._rng.randint(1, len(self._keys))]
-                    length = len(prefix) * _TOKENS_PER_BLOCK + 300
+                    length = len(prefix) * BLOCK_TOKENS + 300
                     self._timed(
                         "QueryHit",
                         lambda p=prefix, n=length: self._client.query_hit(
@@ -189,7 +187,9 @@ class _Client:
                     self._put(self._new_keys(1))
                 elif choice < 0.97:
                     key = BlockKey(self._rng.randbytes(32))
-                    self._timed("GetSWAState", lambda k=key: self._client.get_swa_state(k, 128))
+                    self._timed(
+                        "GetSWAState", lambda k=key: self._client.get_swa_state(k, BLOCK_TOKENS)
+                    )
                 else:
                     self._timed("GetStats", self._client.stats)
         finally:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import InvalidArgument
+from kvstore.keys import BLOCK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class TinyLlama:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    def block_bytes(self, block_tokens: int = 128, dtype_bytes: int = 4) -> int:
+    def block_bytes(self, block_tokens: int = BLOCK_TOKENS, dtype_bytes: int = 4) -> int:
         """Bytes of one block of KV over all layers (K and V)."""
         return self.layers * 2 * self.kv_heads * self.head_dim * block_tokens * dtype_bytes
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.childenv import child_env
+from kvstore.keys import BLOCK_TOKENS
 
 _RESULT = "RESULT "
 
@@ -53,7 +54,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(
         model=spec["model"],
         dtype=spec.get("dtype", "float32"),
-        block_size=128,
+        block_size=BLOCK_TOKENS,
         enforce_eager=True,
         kv_cache_memory_bytes=int(spec.get("kv_cache_bytes", 64 << 20)),
         enable_prefix_caching=bool(spec.get("prefix_caching", False)),

@@ -34,12 +34,13 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvstore.blockstore.fanout import Ticket, gather, gather_async
+from kvstore.blockstore.fanout import Ticket, gather, gathered
 from kvstore.clock import SystemClock
 from kvstore.errors import InvalidArgument, NodeUnavailable, StateRejected, StoreError
 from kvstore.fastcall.server import FastCallServer
 from kvstore.fastcall.tls import tls_env_options, tls_from_env
 from kvstore.keys import BlockKey
+from kvstore.pending import Pending
 from kvstore.runtime.blockstore_actors import find_actor
 from kvstore.runtime.cluster import pin_to_node
 from kvstore.runtime.fanout import RayFanout
@@ -488,17 +489,13 @@ class SWARayTransport:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["layout"])  # type: ignore[misc]
 
-    def lookup(self, calls: LookupCalls) -> dict[str, list[StoreRef | None] | None]:
+    def lookup(self, calls: LookupCalls) -> Pending[dict[str, list[StoreRef | None] | None]]:
         """One ``lookup`` per directory shard, all in flight at once under one deadline, over
         the entrypoints' direct sockets when they have them (the block tier's ``RayFanout``
-        and ``gather``: the one RPC seam); a shard that did not answer in time is None."""
+        and ``gathered``: the one RPC seam); a shard that did not answer in time is None."""
         tickets = self._submit_lookups(calls)
-        return self._answers(calls, tickets, gather(self._entries, tickets, self._timeout))
-
-    async def lookup_async(self, calls: LookupCalls) -> dict[str, list[StoreRef | None] | None]:
-        tickets = self._submit_lookups(calls)
-        outcomes = await gather_async(self._entries, tickets, self._timeout)
-        return self._answers(calls, tickets, outcomes)
+        outcomes = gathered(self._entries, tickets, self._timeout)
+        return outcomes.then(lambda answered: self._answers(calls, tickets, answered))
 
     def _submit_lookups(self, calls: LookupCalls) -> dict[Ticket[Any], str]:
         return {

@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 
 from kvstore.keys import BlockKey, check_key, check_keys
+from kvstore.pending import Pending
 from kvstore.swa.advice import FetchReplayAdvisor
 from kvstore.swa.directory import ShardMap, StoreRef
 from kvstore.swa.store import check_state
-from kvstore.swa.transport import LookupCalls, SWALayout, SWATransport
+from kvstore.swa.transport import SWALayout, SWATransport
 
 log = logging.getLogger(__name__)
 
@@ -65,32 +66,16 @@ class SWAClient:
 
     def lookup(
         self, keys: Sequence[BlockKey], prefer_machine: str | None = None
-    ) -> list[StoreRef | None]:
-        """Owner of each key or None (miss). One call per shard, all in flight together."""
-        checked, groups, calls = self._lookup_calls(keys, prefer_machine)
-        return _owners(checked, groups, self._transport.lookup(calls))
-
-    async def lookup_async(
-        self, keys: Sequence[BlockKey], prefer_machine: str | None = None
-    ) -> list[StoreRef | None]:
-        """``lookup`` for a caller on an asyncio loop (the gateway's hit path)."""
-        checked, groups, calls = self._lookup_calls(keys, prefer_machine)
-        return _owners(checked, groups, await self._transport.lookup_async(calls))
-
-    def _lookup_calls(
-        self, keys: Sequence[BlockKey], prefer_machine: str | None
-    ) -> tuple[list[BlockKey], dict[str, list[int]], LookupCalls]:
+    ) -> Pending[list[StoreRef | None]]:
+        """Owner of each key or None (miss). One call per shard, all in flight together;
+        waited for from a thread (``result()``) or a loop (``await``)."""
         checked = check_keys(keys, "keys")
         prefer = self.local_machine if prefer_machine is None else prefer_machine
         groups = self._shards.group(checked)
         calls = {
             shard: ([checked[i] for i in indices], prefer) for shard, indices in groups.items()
         }
-        return checked, groups, calls
-
-    def locate(self, key: BlockKey, prefer_machine: str | None = None) -> StoreRef | None:
-        """Owner of one state key (the ``StateLocator`` of ``kvstore.tier.hit``)."""
-        return self.lookup([key], prefer_machine)[0]
+        return self._transport.lookup(calls).then(lambda answers: _owners(checked, groups, answers))
 
     # --- states -----------------------------------------------------------------------
 
@@ -145,7 +130,7 @@ class SWAClient:
 
     def get(self, key: BlockKey, *, state_bytes: int | None = None) -> FetchedState | None:
         """Look the state up and fetch it from its owner: None on any kind of miss."""
-        owner = self.locate(key)
+        owner = self.lookup([key]).result()[0]
         return None if owner is None else self.fetch(owner, key, state_bytes=state_bytes)
 
     def measure_link(self, machine_id: str, samples: int = 3) -> float | None:

@@ -22,6 +22,7 @@ from kvstore.blockstore.fanout import ENTRY, Target
 from kvstore.clock import Clock, SystemClock
 from kvstore.errors import InvalidArgument, StateRejected, StoreError
 from kvstore.keys import BlockKey
+from kvstore.pending import Pending
 from kvstore.swa.agent import StoreAgent
 from kvstore.swa.config import SWAConfig
 from kvstore.swa.directory import DirectoryShard, ShardMap, StoreRef, shard_ids
@@ -101,13 +102,9 @@ def layout_for(config: SWAConfig, geometry: Any, shards: Sequence[str]) -> SWALa
 
 
 class SWATransport(Protocol):
-    def lookup(self, calls: LookupCalls) -> dict[str, list[StoreRef | None] | None]:
+    def lookup(self, calls: LookupCalls) -> Pending[dict[str, list[StoreRef | None] | None]]:
         """One directory lookup per shard, all in flight at once under one deadline; a shard
-        that did not answer in time maps to None."""
-        ...
-
-    async def lookup_async(self, calls: LookupCalls) -> dict[str, list[StoreRef | None] | None]:
-        """``lookup`` for a caller on an asyncio loop."""
+        that did not answer in time maps to None. Waited for from a thread or a loop."""
         ...
 
     def fetch(self, owner: StoreRef, key: BlockKey) -> np.ndarray | None:
@@ -140,15 +137,15 @@ class LocalSWATransport:
         self.agents = dict(agents)  # by store name
         self.down: set[str] = set()
 
-    def lookup(self, calls: LookupCalls) -> dict[str, list[StoreRef | None] | None]:
+    def lookup(self, calls: LookupCalls) -> Pending[dict[str, list[StoreRef | None] | None]]:
+        return Pending.of(lambda: self._lookup(calls))  # in-process: nothing to wait for
+
+    def _lookup(self, calls: LookupCalls) -> dict[str, list[StoreRef | None] | None]:
         answers: dict[str, list[StoreRef | None] | None] = {}
         for shard_id, (keys, prefer) in calls.items():
             shard = None if shard_id in self.down else self.shards.get(shard_id)
             answers[shard_id] = None if shard is None else shard.lookup(keys, prefer)
         return answers
-
-    async def lookup_async(self, calls: LookupCalls) -> dict[str, list[StoreRef | None] | None]:
-        return self.lookup(calls)  # in-process: nothing to wait for
 
     def fetch(self, owner: StoreRef, key: BlockKey) -> np.ndarray | None:
         agent = self._agent(owner.store_name)

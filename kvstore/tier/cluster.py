@@ -3,13 +3,13 @@
 The gRPC gateway serves it, the engine connector's fetcher reads through it, the demo and the
 chaos load drive it. It owns what every caller of the cluster needs once:
 
-- the **lease table**: a lease is an id to its callers, a ``Lease`` with shard locations inside
-  (so a read with the lease needs no second meta round trip); bounded, swept on a timer
-  (``kvstore.tier.leases``);
+- the **lease table**, the tier's only one: a lease is an id to its callers, a ``Lease`` with
+  shard locations inside (so a read with the lease needs no second meta round trip), tagged
+  with the tenant holding it; bounded, swept on a timer (``kvstore.tier.leases``);
 - **coalescing**: concurrent ``query_hit`` calls share one round of meta-shard and directory
   calls (``kvstore.tier.coalesce``), so the cluster's call rate stays flat as concurrency grows;
 - the **answer translations** (``HitResult.answer``, ``PutAnswer`` from the block client's
-  ``PutResult``) and the per-class hit counters;
+  ``PutResult``) and the hit figures (``kvstore.tier.counters``, per tenant and class);
 - the merge of every part's figures into one ``Stats``.
 
 It holds no Ray: the block client reaches its nodes through a ``Fanout``, the SWA client
@@ -32,15 +32,25 @@ import numpy as np
 from kvstore.blockstore.client import BlockStoreClient
 from kvstore.blockstore.records import Lease, PutResult
 from kvstore.clock import Clock
-from kvstore.errors import InvalidArgument, LeaseError, StoreError
+from kvstore.errors import InvalidArgument, LeaseError, Overloaded, StoreError
 from kvstore.hitplan import check_store_position
 from kvstore.keys import BlockKey, check_key, check_keys, state_slot
+from kvstore.pending import Pending
 from kvstore.swa.client import SWAClient
 from kvstore.swa.directory import StoreRef
-from kvstore.tier.coalesce import AsyncCoalescer, Coalescer
+from kvstore.tier.coalesce import Coalesced
+from kvstore.tier.counters import HitCounters, class_stats
 from kvstore.tier.hit import HitGeometry, HitQuery, HitResult, NoStates
 from kvstore.tier.leases import MAX_OPEN_LEASES, LeaseTable
-from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, StateRead, Stats
+from kvstore.tier.records import (
+    BlockRead,
+    HitAnswer,
+    HitRequest,
+    LeaseTag,
+    PutAnswer,
+    StateRead,
+    Stats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,26 +79,22 @@ class NoControl:
 
 
 class _CoalescedBlocks:
-    """``BlockLookup`` for one traffic class, through the tier's shared lookup coalescers."""
+    """``BlockLookup`` for one traffic class, through the tier's shared lookup coalescer."""
 
     def __init__(self, tier: ClusterTier, traffic_class: str) -> None:
         self._tier = tier
         self._traffic_class = traffic_class
 
-    def lookup(self, keys: np.ndarray) -> tuple[int, Any]:
-        result = self._tier._lookups.call((keys, self._traffic_class))
-        return int(result.hit_blocks), result.lease
-
-    async def lookup_async(self, keys: np.ndarray) -> tuple[int, Any]:
-        result = await self._tier._async_lookups().call((keys, self._traffic_class))
-        return int(result.hit_blocks), result.lease
+    def lookup(self, keys: np.ndarray) -> Pending[tuple[int, Any]]:
+        found = self._tier._lookups.call((keys, self._traffic_class))
+        return found.then(lambda result: (int(result.hit_blocks), result.lease))
 
     def release(self, lease: Any) -> None:
         self._tier._release(lease)
 
 
 class _CoalescedStates:
-    """``StateLocator`` through the tier's shared directory-lookup coalescers (a state is kept
+    """``StateLocator`` through the tier's shared directory-lookup coalescer (a state is kept
     under its key bound to its position, ``kvstore.keys.state_slot``)."""
 
     def __init__(self, tier: ClusterTier) -> None:
@@ -96,13 +102,8 @@ class _CoalescedStates:
 
     def locate(
         self, key: BlockKey, position: int, prefer_machine: str | None = None
-    ) -> StoreRef | None:
+    ) -> Pending[StoreRef | None]:
         return self._tier._locates.call(state_slot(key, position))
-
-    async def locate_async(
-        self, key: BlockKey, position: int, prefer_machine: str | None = None
-    ) -> StoreRef | None:
-        return await self._tier._async_locates().call(state_slot(key, position))
 
 
 class ClusterTier:
@@ -140,16 +141,17 @@ class ClusterTier:
         self._classes = tuple(blocks.config.traffic_classes)
         self._storage_nodes = blocks.config.storage_nodes
         self._leases: LeaseTable[Lease] = LeaseTable(max_open_leases, clock)
-        self._counters: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.hit_counters = HitCounters()
         self._degraded_reads = 0
         self._lock = threading.Lock()
-        # Concurrent QueryHits share one round of meta-shard and directory calls.
-        self._lookups: Coalescer[tuple[np.ndarray, str], Any] = Coalescer(blocks.lookup_many)
-        self._locates: Coalescer[BlockKey, StoreRef | None] = Coalescer(
-            lambda keys: swa.lookup(list(keys)) if swa is not None else [None] * len(keys)
+        # Concurrent QueryHits (threads, or the gateway's loop) share one round of meta-shard
+        # and directory calls.
+        self._lookups: Coalesced[tuple[np.ndarray, str], Any] = Coalesced(blocks.lookups)
+        self._locates: Coalesced[BlockKey, StoreRef | None] = Coalesced(
+            lambda keys: (
+                swa.lookup(list(keys)) if swa is not None else Pending.done([None] * len(keys))
+            )
         )
-        # The same for callers on the gateway's asyncio loop (made there, on first use).
-        self._async: tuple[AsyncCoalescer[Any, Any], AsyncCoalescer[Any, Any]] | None = None
         # One hit query per traffic class, built once (it hashes the geometry's fingerprint).
         states = _CoalescedStates(self) if swa is not None else NoStates()
         self._queries = {
@@ -187,19 +189,19 @@ class ClusterTier:
             )
         return name
 
-    def _count(self, traffic_class: str, **figures: int) -> None:
-        with self._lock:
-            for name, value in figures.items():
-                self._counters[traffic_class][name] += value
-
     def _release(self, lease: Lease | None) -> None:
         # Deferred: it rides on the next lookup to each meta shard (``release_batch_s``), so
         # a release costs no cluster call of its own under load.
         if lease is not None:
             self._blocks.release_many([lease], wait=False)
 
-    def _keep_lease(self, lease: Lease) -> str:
-        for old in self._leases.add(lease):
+    def _keep_lease(self, lease: Lease, holder: LeaseTag) -> str:
+        try:
+            dropped = self._leases.add(lease, holder)
+        except Overloaded:  # the holder is at its cap: this lease is not handed out
+            self._release(lease)
+            raise
+        for old in dropped:
             self._release(old)
         if self._sweeper is None:
             with self._lock:
@@ -237,55 +239,32 @@ class ClusterTier:
 
     def query_hit(self, request: HitRequest) -> HitAnswer:
         name = self._class(request.traffic_class)
-        result = self._queries[name].query_hit(request.keys_or_tokens, request.length, request.mode)
-        return self._answer(name, result, request.take_lease)
+        return self._answer(name, self._queries[name].query_hit(request), request)
 
     async def query_hit_async(self, request: HitRequest) -> HitAnswer:
         """``query_hit`` for a caller on an asyncio loop (the gateway's hit path): the same
         answer, no thread parked on the cluster's replies."""
         name = self._class(request.traffic_class)
-        query = self._queries[name]
-        result = await query.query_hit_async(request.keys_or_tokens, request.length, request.mode)
-        return self._answer(name, result, request.take_lease)
+        return self._answer(name, await self._queries[name].query_hit_async(request), request)
 
-    def _answer(self, name: str, result: HitResult, take_lease: bool) -> HitAnswer:
-        """Count the lookup, keep or give back its lease, and answer."""
-        plan = result.plan
-        block = plan.block_tokens
-        hit_blocks = plan.block_hit_tokens // block
-        looked_up = min(result.keys.shape[0], plan.cap // block)
-        self._count(name, lookups=1, hit_blocks=hit_blocks, miss_blocks=looked_up - hit_blocks)
-        if plan.swa_position is not None and not plan.swa_hit:
-            # The block run was there but the window state was not (never stored, expired, or
-            # its machine lost): the hit backed off, replayed or (exact-window) went lower.
-            self._count(name, swa_state_missing=1)
+    def _answer(self, name: str, result: HitResult, request: HitRequest) -> HitAnswer:
+        """Keep or give back the lookup's lease, count it, and answer."""
         lease: Lease | None = result.lease
         lease_id = None
         if lease is not None:
-            if take_lease and len(lease):
-                lease_id = self._keep_lease(lease)
+            if request.take_lease and len(lease):
+                lease_id = self._keep_lease(lease, request.holder)
             else:
                 self._release(lease)
+        if request.counted:
+            self.hit_counters.count(request.holder.tenant, name, result.plan, result.keys.shape[0])
         return result.answer(lease_id)
 
-    def _async_lookups(self) -> AsyncCoalescer[tuple[np.ndarray, str], Any]:
-        return self._async_coalescers()[0]
+    def lease_tag(self, lease_id: str) -> LeaseTag | None:
+        return self._leases.tag(lease_id)
 
-    def _async_locates(self) -> AsyncCoalescer[BlockKey, StoreRef | None]:
-        return self._async_coalescers()[1]
-
-    def _async_coalescers(self) -> tuple[AsyncCoalescer[Any, Any], AsyncCoalescer[Any, Any]]:
-        if self._async is None:
-            swa = self._swa
-
-            async def locate_all(keys: Sequence[BlockKey]) -> list[StoreRef | None]:
-                if swa is None:
-                    return [None] * len(keys)
-                return await swa.lookup_async(list(keys))
-
-            lookups = AsyncCoalescer(self._blocks.lookup_many_async)
-            self._async = (lookups, AsyncCoalescer(locate_all))
-        return self._async
+    def open_leases(self, tenant: str) -> int:
+        return self._leases.held(tenant)
 
     def release_lease(self, lease_id: str) -> bool:
         lease = self._leases.take(lease_id)
@@ -375,20 +354,11 @@ class ClusterTier:
         metas = self._control.meta_stats()
         repair = self._control.repair_stats()
         classes: dict[str, dict[str, Any]] = {}
+        counted = self.hit_counters.by_class()
+        for name in self._classes:
+            classes[name] = class_stats(counted.get(name, {}))
+            classes[name]["miss_reasons"] = defaultdict(int, classes[name]["miss_reasons"])
         with self._lock:
-            for name in self._classes:
-                counters = self._counters.get(name, {})
-                classes[name] = {
-                    "lookups": counters.get("lookups", 0),
-                    "hit_blocks": counters.get("hit_blocks", 0),
-                    "miss_blocks": counters.get("miss_blocks", 0),
-                    "miss_reasons": defaultdict(int),
-                    "stored_bytes": 0,
-                }
-                if counters.get("swa_state_missing"):
-                    classes[name]["miss_reasons"]["swa_state_missing"] = counters[
-                        "swa_state_missing"
-                    ]
             degraded = self._degraded_reads
         block_bytes = 0
         for meta in metas:
@@ -437,18 +407,10 @@ class ClusterTier:
     def _coalescing(self) -> dict[str, dict[str, int]]:
         """How well concurrent QueryHits share cluster calls: requests per batch (threaded
         callers and the gateway's loop together)."""
-        parts: list[tuple[str, Coalescer[Any, Any] | AsyncCoalescer[Any, Any]]] = [
-            ("lookups", self._lookups),
-            ("locates", self._locates),
-        ]
-        if self._async is not None:
-            parts += [("lookups", self._async[0]), ("locates", self._async[1])]
-        out: dict[str, dict[str, int]] = {}
-        for name, coalescer in parts:
-            figures = out.setdefault(name, {"batches": 0, "requests": 0})
-            figures["batches"] += coalescer.batches
-            figures["requests"] += coalescer.items
-        return out
+        return {
+            name: {"batches": coalesced.batches, "requests": coalesced.items}
+            for name, coalesced in (("lookups", self._lookups), ("locates", self._locates))
+        }
 
     def _swa_stats(self) -> dict[str, Any]:
         if self._swa is None:

@@ -13,6 +13,8 @@ A failure of the cluster itself fails the batch: asked one by one, it would only
 
 ``Coalescer`` serves callers in threads; ``AsyncCoalescer`` the same for callers on one asyncio
 loop (the gateway's hit path), where a batch is run by a task and callers await its answer.
+``Coalesced`` puts the two behind one ``Pending`` per call, so a caller of either kind asks
+the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 from kvstore.errors import InvalidArgument
+from kvstore.pending import Pending
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -176,3 +179,32 @@ class AsyncCoalescer(Generic[Item, Result]):
             else:
                 if not future.done():
                     future.set_result(result)
+
+
+class Coalesced(Generic[Item, Result]):
+    """One batched operation for callers of both kinds: ``call(item)`` is a ``Pending``
+    (``kvstore.pending``) that a thread waits for through a ``Coalescer`` and a loop through
+    an ``AsyncCoalescer``; ``batch`` is written once, returning a ``Pending`` itself."""
+
+    def __init__(
+        self, batch: Callable[[Sequence[Item]], Pending[Sequence[Result]]], max_batch: int = 64
+    ) -> None:
+        self.threads: Coalescer[Item, Result] = Coalescer(
+            lambda items: batch(items).result(), max_batch
+        )
+
+        async def on_loop(items: Sequence[Item]) -> Sequence[Result]:
+            return await batch(items)
+
+        self.loop: AsyncCoalescer[Item, Result] = AsyncCoalescer(on_loop, max_batch)
+
+    def call(self, item: Item) -> Pending[Result]:
+        return Pending(lambda: self.threads.call(item), lambda: self.loop.call(item))
+
+    @property
+    def batches(self) -> int:
+        return self.threads.batches + self.loop.batches
+
+    @property
+    def items(self) -> int:
+        return self.threads.items + self.loop.items

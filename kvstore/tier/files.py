@@ -31,11 +31,21 @@ import xxhash
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import GeometryConfig
 from kvstore.keys import BlockKey, check_key, check_keys, words_to_keys
+from kvstore.pending import Pending
 from kvstore.privatefs import PrivateDir
 from kvstore.swa.directory import StoreRef
 from kvstore.swa.store import check_state
+from kvstore.tier.counters import HitCounters, class_stats
 from kvstore.tier.hit import HitQuery
-from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, StateRead, Stats
+from kvstore.tier.records import (
+    BlockRead,
+    HitAnswer,
+    HitRequest,
+    LeaseTag,
+    PutAnswer,
+    StateRead,
+    Stats,
+)
 
 _MAGIC = b"KVSTFIL1"
 _HEADER = struct.Struct("<8sQQ")  # magic, payload length, xxh3-64 of the payload
@@ -59,6 +69,7 @@ class DirectoryTier:
         self._blocks = home.subdir("blocks")
         self._swa = home.subdir("swa")
         home.close()
+        self.hit_counters = HitCounters()
 
     def __reduce__(self) -> tuple[object, ...]:
         return (DirectoryTier, (str(self.root), self.geometry))
@@ -134,14 +145,28 @@ class DirectoryTier:
         query = HitQuery(
             blocks=_FileBlocks(self._blocks), states=_FileStates(self._swa), geometry=self.geometry
         )
-        return query.query_hit(request.keys_or_tokens, request.length, request.mode).answer(None)
+        result = query.query_hit(request)
+        if request.counted:
+            self.hit_counters.count(
+                request.holder.tenant, request.traffic_class, result.plan, result.keys.shape[0]
+            )
+        return result.answer(None)
 
     def release_lease(self, lease_id: str) -> bool:
         """Nothing to give back: this tier takes no leases (nothing evicts behind a reader)."""
         return False
 
+    def lease_tag(self, lease_id: str) -> LeaseTag | None:
+        return None
+
+    def open_leases(self, tenant: str) -> int:
+        return 0
+
     def stats(self) -> Stats:
         return Stats(
+            classes={
+                name: class_stats(figures) for name, figures in self.hit_counters.by_class().items()
+            },
             block_bytes_stored=_stored_bytes(self._blocks, ".blk"),
             swa_bytes_stored=_stored_bytes(self._swa, ".state"),
             extra={"model_fingerprint": self.model_fingerprint.hex(), "root": str(self.root)},
@@ -154,16 +179,16 @@ class _FileBlocks:
     def __init__(self, blocks: PrivateDir) -> None:
         self._blocks = blocks
 
-    def lookup(self, keys: np.ndarray) -> tuple[int, Any]:
+    def lookup(self, keys: np.ndarray) -> Pending[tuple[int, Any]]:
+        return Pending.of(lambda: (self._run(keys), None))  # local files: nothing to wait for
+
+    def _run(self, keys: np.ndarray) -> int:
         run = 0
         for key in words_to_keys(keys):
             if not self._blocks.is_file(_block_name(key)):
                 break
             run += 1
-        return run, None
-
-    async def lookup_async(self, keys: np.ndarray) -> tuple[int, Any]:
-        return self.lookup(keys)  # local files: nothing to wait for
+        return run
 
     def release(self, lease: Any) -> None:
         pass
@@ -177,13 +202,9 @@ class _FileStates:
 
     def locate(
         self, key: BlockKey, position: int, prefer_machine: str | None = None
-    ) -> StoreRef | None:
-        return _LOCAL_STORE if self._states.is_file(_state_name(key, position)) else None
-
-    async def locate_async(
-        self, key: BlockKey, position: int, prefer_machine: str | None = None
-    ) -> StoreRef | None:
-        return self.locate(key, position, prefer_machine)
+    ) -> Pending[StoreRef | None]:
+        name = _state_name(key, position)
+        return Pending.of(lambda: _LOCAL_STORE if self._states.is_file(name) else None)
 
 
 def _block_name(key: bytes) -> str:

@@ -25,39 +25,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Generator, Sequence
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from kvstore.errors import InvalidArgument, StoreError
+from kvstore.errors import StoreError
 from kvstore.hitplan import (
     EXACT_WINDOW,
-    MODES,
-    STANDARD,
     HasHitGeometry,
     HitPlan,
     hit_cap,
     plan_hit,
 )
-from kvstore.keys import BlockKey, block_key_words, key_words, repeated_key
+from kvstore.keys import BlockKey
+from kvstore.pending import Pending
 from kvstore.swa.advice import FETCH, Advice, FetchReplayAdvisor
 from kvstore.swa.directory import StoreRef
-from kvstore.tier.records import HitAnswer
+from kvstore.tier.records import HitAnswer, HitRequest
 
 log = logging.getLogger(__name__)
 
 
 class BlockLookup(Protocol):
-    """The block tier as the hit query needs it, asked from a thread or from an asyncio loop."""
+    """The block tier as the hit query needs it, waited for from a thread or from an asyncio
+    loop (``kvstore.pending``)."""
 
-    def lookup(self, keys: np.ndarray) -> tuple[int, Any]:
+    def lookup(self, keys: np.ndarray) -> Pending[tuple[int, Any]]:
         """(number of leading consecutive committed+readable blocks, lease on them or None).
         ``keys`` come as (n, 4) uint64 words (``kvstore.keys.key_words``)."""
         ...
-
-    async def lookup_async(self, keys: np.ndarray) -> tuple[int, Any]: ...
 
     def release(self, lease: Any) -> None:
         """Never blocks (a release needs no answer)."""
@@ -70,11 +68,7 @@ class StateLocator(Protocol):
 
     def locate(
         self, key: BlockKey, position: int, prefer_machine: str | None = None
-    ) -> StoreRef | None: ...
-
-    async def locate_async(
-        self, key: BlockKey, position: int, prefer_machine: str | None = None
-    ) -> StoreRef | None: ...
+    ) -> Pending[StoreRef | None]: ...
 
 
 class NoStates:
@@ -83,14 +77,11 @@ class NoStates:
 
     def locate(
         self, key: BlockKey, position: int, prefer_machine: str | None = None
-    ) -> StoreRef | None:
-        return None
+    ) -> Pending[StoreRef | None]:
+        return _NOWHERE
 
-    async def locate_async(
-        self, key: BlockKey, position: int, prefer_machine: str | None = None
-    ) -> StoreRef | None:
-        return None
 
+_NOWHERE: Pending[StoreRef | None] = Pending.done(None)
 
 #: What the plan asks of the tiers between its steps: ("blocks", keys), ("state", (key,
 #: position)) or ("states", [(key, position), ...]: every one answered, in order).
@@ -175,76 +166,57 @@ class HitQuery:
         self._fingerprint = geometry.fingerprint()
         self.local_machine = local_machine
 
-    def query_hit(
-        self,
-        keys_or_tokens: Sequence[bytes] | Sequence[int] | np.ndarray,
-        prompt_len: int,
-        mode: str = STANDARD,
-    ) -> HitResult:
-        """The docs/rules.md §5 plan for a prompt of ``prompt_len`` tokens given its block keys (one
-        per full block, from the start: 32-byte keys or their (n, 4) words) or its token ids
-        (exactly ``prompt_len`` of them)."""
-        steps = self._steps(keys_or_tokens, prompt_len, mode)
+    def query_hit(self, request: HitRequest) -> HitResult:
+        """The docs/rules.md §5 plan for the prompt of ``request`` (checked when it was made)."""
+        steps = self._steps(request)
         need = _advance(steps, None, None)
         while not isinstance(need, HitResult):
             reply: Any = None
             error: BaseException | None = None
             try:
                 if need[0] == "blocks":
-                    reply = self._ask_blocks(need[1])
-                elif need[0] == "states":
-                    reply = [self._states.locate(k, p, self.local_machine) for k, p in need[1]]
+                    try:
+                        reply = self._blocks.lookup(need[1]).result()
+                    except StoreError as failed:
+                        reply = _block_tier_down(failed)
                 else:
-                    key, position = need[1]
-                    reply = self._states.locate(key, position, self.local_machine)
+                    reply = [pending.result() for pending in self._ask_states(need)]
+                    reply = reply if need[0] == "states" else reply[0]
             except BaseException as raised:
                 error = raised
             need = _advance(steps, reply, error)
         return need
 
-    async def query_hit_async(
-        self,
-        keys_or_tokens: Sequence[bytes] | Sequence[int] | np.ndarray,
-        prompt_len: int,
-        mode: str = STANDARD,
-    ) -> HitResult:
+    async def query_hit_async(self, request: HitRequest) -> HitResult:
         """``query_hit`` for a caller on an asyncio loop (the gateway): the same plan, the
         tiers asked without parking a thread."""
-        steps = self._steps(keys_or_tokens, prompt_len, mode)
+        steps = self._steps(request)
         need = _advance(steps, None, None)
         while not isinstance(need, HitResult):
             reply: Any = None
             error: BaseException | None = None
             try:
                 if need[0] == "blocks":
-                    reply = await self._ask_blocks_async(self._blocks.lookup_async(need[1]))
-                elif need[0] == "states":
-                    # Asked together, they share one round of directory calls.
-                    reply = await asyncio.gather(
-                        *(self._states.locate_async(k, p, self.local_machine) for k, p in need[1])
-                    )
+                    try:
+                        reply = await self._blocks.lookup(need[1])
+                    except StoreError as failed:
+                        reply = _block_tier_down(failed)
                 else:
-                    key, position = need[1]
-                    reply = await self._states.locate_async(key, position, self.local_machine)
+                    # Asked together, they share one round of directory calls.
+                    reply = await asyncio.gather(*self._ask_states(need))
+                    reply = reply if need[0] == "states" else reply[0]
             except BaseException as raised:
                 error = raised
             need = _advance(steps, reply, error)
         return need
 
-    def _steps(
-        self,
-        keys_or_tokens: Sequence[bytes] | Sequence[int] | np.ndarray,
-        prompt_len: int,
-        mode: str,
-    ) -> Generator[_Need, Any, HitResult]:
+    def _steps(self, request: HitRequest) -> Generator[_Need, Any, HitResult]:
         """The plan, one step at a time: it yields what it needs of the tiers and is sent the
         answer, so the same rule runs from a thread and from an asyncio loop."""
-        # Validate everything before taking a lease: a bad request acquires nothing.
-        if mode not in MODES:
-            raise InvalidArgument("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
+        prompt_len, mode = request.prompt_len, request.mode
         cap = hit_cap(prompt_len, geometry=self._geometry, mode=mode)
-        within_cap = cap // self._geometry.block_tokens
-        keys = self._keys(keys_or_tokens, prompt_len, within_cap)
+        # Blocks past the cap can never hit: neither hashed, nor looked up, nor leased.
+        keys = request.words(self._fingerprint, cap // self._geometry.block_tokens)
         run, lease = 0, None
         if keys.shape[0]:
             run, lease = yield ("blocks", keys)
@@ -280,54 +252,15 @@ class HitQuery:
                 self._blocks.release(lease)
             raise
 
-    def _ask_blocks(self, keys: np.ndarray) -> tuple[int, Any]:
-        try:
-            return self._blocks.lookup(keys)
-        except StoreError as error:
-            # The block tier could not answer: nothing is reused, nothing is leased.
-            log.warning("block lookup failed, planning a miss: %s", error)
-            return 0, None
+    def _ask_states(self, need: _Need) -> list[Pending[StoreRef | None]]:
+        asked = need[1] if need[0] == "states" else [need[1]]
+        return [self._states.locate(key, position, self.local_machine) for key, position in asked]
 
-    @staticmethod
-    async def _ask_blocks_async(asked: Awaitable[tuple[int, Any]]) -> tuple[int, Any]:
-        try:
-            return await asked
-        except StoreError as error:
-            log.warning("block lookup failed, planning a miss: %s", error)
-            return 0, None
 
-    def _keys(
-        self,
-        keys_or_tokens: Sequence[bytes] | Sequence[int] | np.ndarray,
-        prompt_len: int,
-        within_cap: int,
-    ) -> np.ndarray:
-        """The keys to look up, as (n, 4) uint64 words (``kvstore.keys.key_words``)."""
-        block = self._geometry.block_tokens
-        if _looks_like_tokens(keys_or_tokens):
-            tokens = np.asarray(keys_or_tokens)
-            if tokens.ndim != 1 or tokens.size != prompt_len:
-                raise InvalidArgument(
-                    "token_ids", f"must hold exactly prompt_len={prompt_len} ids, got {tokens.size}"
-                )
-            # Blocks past the cap can never hit: do not hash them.
-            return block_key_words(self._fingerprint, tokens[: within_cap * block])
-        keys = key_words(keys_or_tokens, "block_keys")
-        full_blocks = prompt_len // block
-        if keys.shape[0] > full_blocks:
-            raise InvalidArgument(
-                "block_keys",
-                f"{keys.shape[0]} keys for a prompt of {prompt_len} tokens "
-                f"({full_blocks} full blocks)",
-            )
-        keys = keys[:within_cap]
-        # Each key would take a lease of its own: a repeated key is refused, not leased twice.
-        repeat = repeated_key(keys)
-        if repeat is not None:
-            raise InvalidArgument(
-                f"block_keys[{repeat}]", "repeats an earlier key (a prompt's keys never repeat)"
-            )
-        return keys
+def _block_tier_down(error: StoreError) -> tuple[int, None]:
+    """The block tier could not answer: nothing is reused, nothing is leased."""
+    log.warning("block lookup failed, planning a miss: %s", error)
+    return 0, None
 
 
 def _advance(
@@ -339,20 +272,3 @@ def _advance(
         return steps.send(reply) if error is None else steps.throw(error)
     except StopIteration as done:
         return done.value
-
-
-def _looks_like_tokens(value: object) -> bool:
-    if isinstance(value, np.ndarray):  # token ids are 1-D; keys as words are (n, 4) / (n, 32)
-        return value.ndim == 1 and bool(np.issubdtype(value.dtype, np.integer))
-    if isinstance(value, str | bytes | bytearray):
-        raise InvalidArgument(
-            "keys_or_tokens", f"must be block keys or token ids, got {type(value).__name__}"
-        )
-    if not isinstance(value, Sequence):
-        raise InvalidArgument(
-            "keys_or_tokens", f"must be a sequence or an array, got {type(value).__name__}"
-        )
-    if len(value) == 0:
-        return False
-    first = value[0]
-    return isinstance(first, int | np.integer) and not isinstance(first, bool)

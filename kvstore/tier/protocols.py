@@ -13,7 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, StateRead, Stats
+from kvstore.tier.counters import HitCounters
+from kvstore.tier.records import (
+    BlockRead,
+    HitAnswer,
+    HitRequest,
+    LeaseTag,
+    PutAnswer,
+    StateRead,
+    Stats,
+)
 
 
 class HitSource(Protocol):
@@ -92,7 +101,18 @@ class Tier(EngineTier, Protocol):
     state_size: int
     block_bytes: int
 
+    #: The hit figures, per tenant and class: a tenant's view counts its lookups here too.
+    hit_counters: HitCounters
+
     def stats(self) -> Stats: ...
+
+    def lease_tag(self, lease_id: str) -> LeaseTag | None:
+        """Who holds an open lease (None: unknown, read, released or expired)."""
+        ...
+
+    def open_leases(self, tenant: str) -> int:
+        """Leases ``tenant`` holds open."""
+        ...
 
     def machine_at(self, address: str) -> str | None:
         """The machine with an SWA store at IP ``address`` (None: not one of the tier's): the

@@ -8,6 +8,7 @@ demo and the chaos load are written once against them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import math
@@ -19,10 +20,19 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.hitplan import MODES, STANDARD, HitPlan
-from kvstore.keys import BlockKey, words_to_keys
+from kvstore.keys import (
+    BLOCK_TOKENS,
+    BlockKey,
+    block_key_words,
+    key_words,
+    repeated_key,
+    words_to_keys,
+)
 
 #: Longest model fingerprint a layout may carry (an engine's is 32 bytes, a preset's ~400).
 MAX_FINGERPRINT_BYTES = 1024
+#: Longest traffic class name a request may carry.
+MAX_CLASS_CHARS = 64
 
 
 @dataclass(frozen=True)
@@ -68,11 +78,34 @@ class Layout:
         return hmac.new(base, b"layout:" + self.identity, hashlib.sha256).digest()
 
 
+@dataclass(frozen=True)
+class LeaseTag:
+    """Who holds a lease, kept with it in the tier's one lease table (``kvstore.tier.leases``)."""
+
+    #: The tenant that took it ("": the tier's own callers, an engine in the same process).
+    tenant: str = ""
+    #: The most leases the tenant may hold at once (None: no cap but the table's own bound).
+    cap: int | None = None
+    #: The caller's keys whose blocks the lease holds in the shared namespace (docs/rules.md
+    #: §10): a read with the lease finds them there.
+    shared: frozenset[bytes] = frozenset()
+
+
+#: The tag of a lease taken by the tier's own callers.
+UNTAGGED = LeaseTag()
+
+
 @dataclass(frozen=True, eq=False)
 class HitRequest:
     """One prompt to plan (docs/rules.md §5): its token ids (``prompt_len`` may be left 0), or the
     keys of its full blocks from the start (32-byte keys or their (n, 4) uint64 words) and its
-    length. With ``take_lease`` the hit blocks are leased until read or released."""
+    length. With ``take_lease`` the hit blocks are leased until read or released.
+
+    The one checked form of a hit request: made (at an API edge or by an engine), it is valid,
+    and every layer behind (a tenant's view, the tier, the hit query) takes it as given. Block
+    keys are held as (n, 4) words from here on; a request of token ids is hashed once, by the
+    layer that knows its layout's fingerprint (``words``).
+    """
 
     token_ids: Sequence[int] | np.ndarray | None = None
     block_keys: Sequence[bytes] | np.ndarray | None = None
@@ -82,25 +115,88 @@ class HitRequest:
     take_lease: bool = True
     #: The layout the keys are made under (None: the tier's own).
     layout: Layout | None = None
+    #: Whose request this is: its lease is kept for this holder, its lookup counted for it.
+    holder: LeaseTag = UNTAGGED
+    #: Whether the tier counts this lookup in its hit figures; False for the parts of a larger
+    #: lookup (a tenant's shared and own namespaces), which the caller counts once.
+    counted: bool = True
 
     def __post_init__(self) -> None:
         if (self.token_ids is None) == (self.block_keys is None):
             raise InvalidArgument("token_ids", "give token_ids or block_keys (one of them)")
-        if self.token_ids is not None and self.prompt_len not in (0, len(self.token_ids)):
-            raise InvalidArgument(
-                "prompt_len", f"{self.prompt_len} differs from the {len(self.token_ids)} token_ids"
-            )
         if self.mode not in MODES:
             raise InvalidArgument("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _check_class(self.traffic_class)
+        length = self.prompt_len
+        if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 0:
+            raise InvalidArgument("prompt_len", f"must be an integer ≥ 0, got {length!r}")
+        if self.token_ids is not None:
+            if isinstance(self.token_ids, str | bytes | bytearray):
+                raise InvalidArgument(
+                    "token_ids", f"must be integers, got {type(self.token_ids).__name__}"
+                )
+            if length not in (0, len(self.token_ids)):
+                raise InvalidArgument(
+                    "prompt_len", f"{length} differs from the {len(self.token_ids)} token_ids"
+                )
+            object.__setattr__(self, "prompt_len", len(self.token_ids))
+            return
+        words = key_words(self.block_keys, "block_keys")  # type: ignore[arg-type]
+        full_blocks = int(length) // BLOCK_TOKENS
+        if words.shape[0] > full_blocks:
+            raise InvalidArgument(
+                "prompt_len",
+                f"{length} tokens cannot hold the {words.shape[0]} blocks of block_keys "
+                f"({words.shape[0] * BLOCK_TOKENS} tokens)",
+            )
+        # Each key would take a lease of its own: a repeated key is refused, not leased twice.
+        repeat = repeated_key(words)
+        if repeat is not None:
+            raise InvalidArgument(
+                f"block_keys[{repeat}]", "repeats an earlier key (a prompt's keys never repeat)"
+            )
+        object.__setattr__(self, "block_keys", words)
+        object.__setattr__(self, "prompt_len", int(length))
 
     @property
     def length(self) -> int:
         """The prompt's length in tokens."""
-        return len(self.token_ids) if self.token_ids is not None else int(self.prompt_len)
+        return self.prompt_len
 
-    @property
-    def keys_or_tokens(self) -> Sequence[int] | Sequence[bytes] | np.ndarray:
-        return self.token_ids if self.token_ids is not None else self.block_keys  # type: ignore[return-value]
+    def words(self, fingerprint: bytes, blocks: int | None = None) -> np.ndarray:
+        """The keys of the prompt's first ``blocks`` full blocks (all: None) as (n, 4) words:
+        the keys given, or the token ids hashed under ``fingerprint`` (blocks past ``blocks``
+        are never hashed)."""
+        if self.block_keys is not None:
+            given: np.ndarray = self.block_keys  # type: ignore[assignment]
+            return given if blocks is None else given[:blocks]
+        tokens = self.token_ids
+        assert tokens is not None
+        if blocks is not None:
+            tokens = tokens[: blocks * BLOCK_TOKENS]
+        return block_key_words(fingerprint, tokens)
+
+    def with_words(self, words: np.ndarray, **changes: Any) -> HitRequest:
+        """This request for the keys ``words`` instead: the same prompt's blocks under another
+        name, one for one (a tenant's namespace, its layout's). Not checked again: the keys
+        are the checked ones renamed, so every rule held of them holds of these."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields.update(changes, token_ids=None, block_keys=words)
+        request = object.__new__(HitRequest)
+        for name, value in fields.items():
+            object.__setattr__(request, name, value)
+        return request
+
+
+def _check_class(name: object) -> None:
+    if not isinstance(name, str):
+        raise InvalidArgument("traffic_class", f"must be text, got {type(name).__name__}")
+    if len(name) > MAX_CLASS_CHARS:
+        raise InvalidArgument(
+            "traffic_class", f"at most {MAX_CLASS_CHARS} characters, got {len(name)}"
+        )
+    if name and not name.isprintable():
+        raise InvalidArgument("traffic_class", "must be printable text")
 
 
 @dataclass(frozen=True)

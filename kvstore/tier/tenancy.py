@@ -10,10 +10,12 @@ SWA directory safe to share.
 
 A tenant allowed to read the shared namespace (public system prompts) gets the run of shared
 blocks first and its own blocks after it; only the trusted writer role (``shared = "write"``)
-writes there. Its leases are its own: an id handed to one tenant is unknown to every other, and
-their number is capped per tenant, so one tenant cannot push another's leases out of the tier's
-bounded table. Policy (classes, quotas, payload sizes, the shared role) is checked before the
-tier is asked anything, so a refused request acquires nothing.
+writes there. Its leases are its own: the tier's one lease table tags each with its tenant
+(``kvstore.tier.leases``), so an id handed to one tenant is nobody else's, and takes a tenant's
+cap on open leases with the lease, so one tenant cannot push another's leases out of the tier's
+bounded table. Its lookups are counted once, in the tier's hit figures under its name
+(``kvstore.tier.counters``). Policy (classes, quotas, payload sizes, the shared role) is checked
+before the tier is asked anything.
 """
 
 from __future__ import annotations
@@ -22,23 +24,22 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Generator, Sequence
+from typing import Any
 
 import numpy as np
 
-from kvstore.clock import Clock, SystemClock
 from kvstore.errors import Forbidden, InvalidArgument, LeaseError, Overloaded
-from kvstore.keys import block_key_words, check_key, check_keys, key_words, words_to_keys
-from kvstore.tenants import MAX_TENANT_LEASES, Tenant, namespaced, namespaced_key
-from kvstore.tier.leases import LeaseTable
+from kvstore.keys import check_key, check_keys, key_words, words_to_keys
+from kvstore.tenants import Tenant, namespaced, namespaced_key
+from kvstore.tier.counters import class_stats
 from kvstore.tier.protocols import AsyncHitSource, Tier
 from kvstore.tier.records import (
     BlockRead,
     HitAnswer,
     HitRequest,
     Layout,
+    LeaseTag,
     PutAnswer,
     StateRead,
     Stats,
@@ -51,43 +52,40 @@ DEFAULT_MAX_LEASES = 10_000
 _USAGE_MAX_AGE_S = 1.0
 
 
-class _TenantLease(NamedTuple):
-    lease_id: str
-    until: float
-    #: The caller's keys whose blocks this lease found in the shared namespace.
-    shared: frozenset[bytes]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Asked:
-    """One QueryHit, checked and in words: the caller's keys and their namespaced forms."""
+    """One QueryHit as this tenant asks it: its keys in words, their namespaced forms."""
 
     request: HitRequest
+    traffic_class: str
     words: np.ndarray
     own: np.ndarray
     shared: np.ndarray | None
+    holder: LeaseTag
 
-    def to_tier(self, words: np.ndarray) -> HitRequest:
-        return dataclasses.replace(
-            self.request, token_ids=None, block_keys=words, prompt_len=self.request.length
+    def to_tier(self, words: np.ndarray, shared_blocks: int = 0) -> HitRequest:
+        """The request to the tier for ``words`` (the keys in one namespace or a mix: the first
+        ``shared_blocks`` in the shared one), its lease tagged as this tenant's and its lookup
+        counted by the view, once for the whole question."""
+        shared: frozenset[bytes] = frozenset()
+        if shared_blocks and self.request.take_lease:
+            shared = frozenset(k.tobytes() for k in self.words[:shared_blocks])
+        return self.request.with_words(
+            words,
+            traffic_class=self.traffic_class,
+            layout=None,
+            holder=dataclasses.replace(self.holder, shared=shared),
+            counted=False,
         )
 
 
 class TenantView:
     """The tier as ``tenant`` sees it. Thread-safe; one per tenant (``TenantViews``) so its
-    leases and figures outlive a request. ``foreign_leases``: this view reads for a process
+    quota figures outlive a request. ``foreign_leases``: this view reads for a process
     whose other half took the leases (an engine's fetcher), so a lease id it does not know is
     read with (the tier decides) instead of refused."""
 
-    def __init__(
-        self,
-        tier: Tier,
-        tenant: Tenant,
-        *,
-        lease_seconds: float,
-        foreign_leases: bool = False,
-        clock: Clock | None = None,
-    ) -> None:
+    def __init__(self, tier: Tier, tenant: Tenant, *, foreign_leases: bool = False) -> None:
         self._tier = tier
         self.tenant = tenant
         self.model_fingerprint = tier.model_fingerprint
@@ -95,15 +93,10 @@ class TenantView:
         self.block_bytes = tier.block_bytes
         #: The layout of a request that names none: the tier's own.
         self.default_layout = Layout(tier.model_fingerprint, tier.block_bytes, tier.state_size)
+        self.hit_counters = tier.hit_counters
         self._async = tier if isinstance(tier, AsyncHitSource) else None
-        self._lease_seconds = lease_seconds
         self._foreign_leases = foreign_leases
-        self._clock = clock or SystemClock()
-        # The cap is checked before a lease is taken; the table's own bound (the tier's) is a
-        # backstop that a tenant's cap (at most MAX_TENANT_LEASES) never reaches.
-        self._leases: LeaseTable[_TenantLease] = LeaseTable(MAX_TENANT_LEASES + 64, self._clock)
         self._lock = threading.Lock()
-        self._counters: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._usage: tuple[float, int] | None = None  # (when, bytes stored in its classes)
         self._put_since_usage = 0
 
@@ -115,106 +108,87 @@ class TenantView:
     # --- HitSource -----------------------------------------------------------------------------
 
     def query_hit(self, request: HitRequest) -> HitAnswer:
-        asked = self._prepare(request)
-        ask = self._tier.query_hit
-        if asked.shared is None:
-            return self._finish(asked, ask(asked.to_tier(asked.own)), 0)
-        first = ask(asked.to_tier(asked.shared))
-        run, within = _runs(first, asked.words.shape[0])
-        if run == 0:
-            self._give_back(first)
-            return self._finish(asked, ask(asked.to_tier(asked.own)), 0)
-        return self._after_shared(asked, first, run, within, ask)
+        steps = self._steps(self._prepare(request))
+        asked = next(steps)
+        while True:
+            answers: list[HitAnswer | BaseException] = []
+            for part in asked:
+                try:
+                    answers.append(self._tier.query_hit(part))
+                except Exception as error:  # handed to the plan, which gives back the rest
+                    answers.append(error)
+            try:
+                asked = steps.send(answers)
+            except StopIteration as done:
+                return done.value
 
     async def query_hit_async(self, request: HitRequest) -> HitAnswer:
-        asked = self._prepare(request)
         hits = self._async
         if hits is None:
             return await asyncio.get_running_loop().run_in_executor(None, self.query_hit, request)
+        steps = self._steps(self._prepare(request))
+        asked = next(steps)
+        while True:
+            # The parts of one step at once: they coalesce into one round of cluster calls.
+            answers = await asyncio.gather(
+                *(hits.query_hit_async(part) for part in asked), return_exceptions=True
+            )
+            try:
+                asked = steps.send(list(answers))
+            except StopIteration as done:
+                return done.value
+
+    def _steps(
+        self, asked: _Asked
+    ) -> Generator[list[HitRequest], list[HitAnswer | BaseException], HitAnswer]:
+        """The question in the tier's terms, one step at a time: it yields the requests to ask
+        together and is sent their answers (or errors), so the same rule runs from a thread
+        and from an asyncio loop. A tenant reading the shared namespace asks both namespaces
+        at once; the mixed run (shared blocks, then its own) only when the shared run ends
+        inside the prompt. Every lease not answered with is given back."""
         if asked.shared is None:
-            return self._finish(asked, await hits.query_hit_async(asked.to_tier(asked.own)), 0)
-        # Both namespaces at once (they coalesce into one round of cluster calls); the mixed
-        # run is asked only when the shared run ends inside the prompt.
-        answers = await asyncio.gather(
-            hits.query_hit_async(asked.to_tier(asked.shared)),
-            hits.query_hit_async(asked.to_tier(asked.own)),
-            return_exceptions=True,
-        )
-        failed = [a for a in answers if isinstance(a, BaseException)]
+            (own,) = yield [asked.to_tier(asked.own)]
+            return self._finish(asked, _answer(own))
+        first, own = yield [
+            asked.to_tier(asked.shared, asked.words.shape[0]),
+            asked.to_tier(asked.own),
+        ]
+        failed = [answer for answer in (first, own) if isinstance(answer, BaseException)]
         if failed:
-            for answer in answers:
+            for answer in (first, own):
                 if isinstance(answer, HitAnswer):
                     self._give_back(answer)
             raise failed[0]
-        first, own = answers
         assert isinstance(first, HitAnswer) and isinstance(own, HitAnswer)
         run, within = _runs(first, asked.words.shape[0])
         if run == 0:
             self._give_back(first)
-            return self._finish(asked, own, 0)
+            return self._finish(asked, own)
         self._give_back(own)
         if run >= within:
-            return self._finish(asked, first, run)
+            return self._finish(asked, first)
         self._give_back(first)
         mixed = np.concatenate([asked.shared[:run], asked.own[run:]])
-        return self._finish(asked, await hits.query_hit_async(asked.to_tier(mixed)), run)
-
-    def _after_shared(
-        self,
-        asked: _Asked,
-        first: HitAnswer,
-        run: int,
-        within: int,
-        ask: Callable[[HitRequest], HitAnswer],
-    ) -> HitAnswer:
-        if run >= within:
-            return self._finish(asked, first, run)
-        self._give_back(first)
-        assert asked.shared is not None
-        mixed = np.concatenate([asked.shared[:run], asked.own[run:]])
-        return self._finish(asked, ask(asked.to_tier(mixed)), run)
+        (answer,) = yield [asked.to_tier(mixed, run)]
+        return self._finish(asked, _answer(answer))
 
     def _prepare(self, request: HitRequest) -> _Asked:
         tenant = self.tenant
         traffic_class = self._traffic_class(request.traffic_class)
-        if request.take_lease:
-            self._leases.sweep()
-            cap = tenant.max_leases or DEFAULT_MAX_LEASES
-            if len(self._leases) >= cap:
-                raise Overloaded(
-                    f"tenant {tenant.name!r} holds {cap} leases (its cap): read or release "
-                    "some first"
-                )
         layout = self.layout(request.layout)
-        if request.token_ids is not None:
-            words = block_key_words(layout.fingerprint, request.token_ids)
-        else:
-            words = key_words(request.block_keys, "block_keys")  # type: ignore[arg-type]
+        words = request.words(layout.fingerprint)
         own_salt, shared_salt = self._salts(layout)
         shared = namespaced(shared_salt, words) if tenant.reads_shared else None
-        return _Asked(
-            dataclasses.replace(request, traffic_class=traffic_class, layout=None),
-            words,
-            namespaced(own_salt, words),
-            shared,
-        )
+        # The cap is taken with the lease, in the tier's one table (concurrent asks cannot
+        # slip past it).
+        holder = LeaseTag(tenant.name, tenant.max_leases or DEFAULT_MAX_LEASES)
+        return _Asked(request, traffic_class, words, namespaced(own_salt, words), shared, holder)
 
-    def _finish(self, asked: _Asked, answer: HitAnswer, shared_run: int) -> HitAnswer:
-        """Count the lookup, remember the lease as this tenant's, give back the caller's keys."""
-        plan = answer.plan
-        block = plan.block_tokens
-        hit_blocks = plan.block_hit_tokens // block
-        looked_up = min(asked.words.shape[0], plan.cap // block)
-        with self._lock:
-            counters = self._counters[asked.request.traffic_class or "default"]
-            counters["lookups"] += 1
-            counters["hit_blocks"] += hit_blocks
-            counters["miss_blocks"] += looked_up - hit_blocks
-        if answer.lease_id is not None:
-            shared = frozenset(k.tobytes() for k in asked.words[:shared_run])
-            until = self._clock.now() + self._lease_seconds
-            for dropped in self._leases.add(_TenantLease(answer.lease_id, until, shared)):
-                self._tier.release_lease(dropped.lease_id)
+    def _finish(self, asked: _Asked, answer: HitAnswer) -> HitAnswer:
+        """Count the question once, give back the caller's keys."""
+        self._tier.hit_counters.count(
+            self.tenant.name, asked.traffic_class, answer.plan, asked.words.shape[0]
+        )
         hit = len(answer.hit_keys)
         return dataclasses.replace(answer, hit_keys=asked.words[:hit])
 
@@ -222,8 +196,16 @@ class TenantView:
         if answer.lease_id is not None:
             self._tier.release_lease(answer.lease_id)
 
+    def lease_tag(self, lease_id: str) -> LeaseTag | None:
+        """The tag of ``lease_id`` if this tenant holds it (None: another's, or not open)."""
+        tag = self._tier.lease_tag(lease_id)
+        return tag if tag is not None and tag.tenant == self.tenant.name else None
+
+    def open_leases(self, tenant: str) -> int:
+        return self._tier.open_leases(tenant) if tenant == self.tenant.name else 0
+
     def release_lease(self, lease_id: str) -> bool:
-        if self._leases.take(lease_id) is None:
+        if self.lease_tag(lease_id) is None:
             return False  # unknown, expired, or another tenant's
         return self._tier.release_lease(lease_id)
 
@@ -240,9 +222,7 @@ class TenantView:
         checked = check_keys(keys, "keys")
         tenant = self.tenant
         own_salt, shared_salt = self._salts(self.layout(layout))
-        lease = None
-        if lease_id:
-            lease = self._leases.peek(lease_id) if keep_lease else self._leases.take(lease_id)
+        lease = self.lease_tag(lease_id) if lease_id else None
         if lease_id and lease is None and not self._foreign_leases:
             raise LeaseError(f"lease {lease_id!r} is unknown or has expired; query again")
         shared_of = lease.shared if lease is not None else frozenset()
@@ -369,21 +349,16 @@ class TenantView:
             return base
         mine = set(self.tenant.classes or ())
         exclusive = set(self.tenant.exclusive_classes)
-        with self._lock:
-            counted = {name: dict(figures) for name, figures in self._counters.items()}
+        counted = self._tier.hit_counters.by_class(self.tenant.name)
         classes: dict[str, dict[str, Any]] = {}
         for name in sorted(mine | set(counted)):
             figures = counted.get(name, {})
             theirs = base.classes.get(name, {}) if name in exclusive else {}
-            classes[name] = {
-                "lookups": figures.get("lookups", 0),
-                "hit_blocks": figures.get("hit_blocks", 0),
-                "miss_blocks": figures.get("miss_blocks", 0),
-                # A class's own figures (bytes, evictions, expiries) are the tenant's only if
-                # no other tenant may use the class: never those of a class others share.
-                "miss_reasons": dict(theirs.get("miss_reasons", {})),
-                "stored_bytes": int(theirs.get("stored_bytes", 0)),
-            }
+            classes[name] = class_stats(figures)
+            # A class's own figures (bytes, evictions, expiries) are the tenant's only if no
+            # other tenant may use the class: never those of a class others share.
+            classes[name]["miss_reasons"] = dict(theirs.get("miss_reasons", {}))
+            classes[name]["stored_bytes"] = int(theirs.get("stored_bytes", 0))
         return Stats(
             classes=classes,
             block_bytes_stored=sum(figures["stored_bytes"] for figures in classes.values()),
@@ -395,7 +370,7 @@ class TenantView:
             storage_nodes=base.storage_nodes,
             extra={
                 "tenant": self.tenant.name,
-                "open_leases": len(self._leases),
+                "open_leases": self._tier.open_leases(self.tenant.name),
                 "model_fingerprint": self.model_fingerprint.hex(),
                 "block_bytes": self.block_bytes,
             },
@@ -466,18 +441,9 @@ class TenantViews:
     """One ``TenantView`` per tenant over one tier, made on first use and kept (its leases
     and figures live with it); a tenant whose policy changed in the tokens file gets it."""
 
-    def __init__(
-        self,
-        tier: Tier,
-        *,
-        lease_seconds: float,
-        foreign_leases: bool = False,
-        clock: Clock | None = None,
-    ) -> None:
+    def __init__(self, tier: Tier, *, foreign_leases: bool = False) -> None:
         self.tier = tier
-        self._lease_seconds = lease_seconds
         self._foreign_leases = foreign_leases
-        self._clock = clock
         self._views: dict[str, TenantView] = {}
         self._lock = threading.Lock()
 
@@ -490,14 +456,18 @@ class TenantViews:
                     view = TenantView(
                         self.tier,
                         tenant,
-                        lease_seconds=self._lease_seconds,
                         foreign_leases=self._foreign_leases,
-                        clock=self._clock,
                     )
                     self._views[tenant.name] = view
         if view.tenant is not tenant:
             view.tenant = tenant  # reloaded tokens file: same salts, maybe new policy
         return view
+
+
+def _answer(outcome: HitAnswer | BaseException) -> HitAnswer:
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
 
 
 def _runs(answer: HitAnswer, keys: int) -> tuple[int, int]:

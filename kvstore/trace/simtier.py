@@ -45,6 +45,7 @@ from kvstore.gc.config import GCConfig
 from kvstore.gc.planner import LRUCandidates, merge_lru
 from kvstore.gc.worker import MAX_EVICTION_ROUNDS
 from kvstore.keys import words_to_keys
+from kvstore.pending import Pending
 from kvstore.trace.capacity import disk_bytes_per_block
 
 #: Capacity a machine reports when the tier is unbounded (the GC never evicts under it).
@@ -277,7 +278,12 @@ class SimTier:
         """The block ids of the request whose keys the next ``lookup`` gets (its first ones)."""
         self._request = ids
 
-    def lookup(self, keys: np.ndarray) -> tuple[int, np.ndarray | None]:
+    def lookup(self, keys: np.ndarray) -> Pending[tuple[int, np.ndarray | None]]:
+        """The leading run (``leading_run``), for ``HitQuery``: the simulation waits for
+        nothing."""
+        return Pending.done(self.leading_run(keys))
+
+    def leading_run(self, keys: np.ndarray) -> tuple[int, np.ndarray | None]:
         """The leading run of committed, readable blocks of ``keys`` (a prefix of the serving
         request's) and, as the lease, their ids. Every block found is touched."""
         ids = self._request[: keys.shape[0]]
@@ -292,9 +298,6 @@ class SimTier:
         misses = np.flatnonzero(~readable)
         run = int(misses[0]) if misses.size else int(ids.size)
         return run, (ids[:run] if run else None)
-
-    async def lookup_async(self, keys: np.ndarray) -> tuple[int, np.ndarray | None]:
-        return self.lookup(keys)
 
     def release(self, lease: np.ndarray | None) -> None:
         """Nothing is held: a request ends before the next GC pass (module doc)."""

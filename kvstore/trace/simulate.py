@@ -42,6 +42,7 @@ from kvstore.geometry import GeometryConfig
 from kvstore.hitplan import BOUNDED_REPLAY
 from kvstore.keys import BLOCK_TOKENS
 from kvstore.tier.hit import HitQuery, NoStates
+from kvstore.tier.records import HitRequest
 from kvstore.trace.fleetrisk import RepairRate, repair_rate
 from kvstore.trace.mooncake import TraceRequest
 from kvstore.trace.oracle import check_mode
@@ -537,7 +538,11 @@ class _Run:
         before = tier.counters.total()
         tier.serving(ids)
         result = self.query.query_hit(
-            self.prepared.words[index], request.input_length, self.config.mode
+            HitRequest(
+                block_keys=self.prepared.words[index],
+                prompt_len=request.input_length,
+                mode=self.config.mode,
+            )
         )
         hit_blocks = result.plan.hit_tokens // BLOCK_TOKENS
         tier.read(ids[:hit_blocks], engine)

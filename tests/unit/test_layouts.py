@@ -33,7 +33,7 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
 
 
 def view(tier: Tier) -> TenantView:
-    return TenantView(tier, TenantDirectory(b"s" * 32).make("alice"), lease_seconds=30.0)
+    return TenantView(tier, TenantDirectory(b"s" * 32).make("alice"))
 
 
 def tokens(seed: int, blocks: int = 3) -> np.ndarray:

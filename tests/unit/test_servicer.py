@@ -25,7 +25,16 @@ from kvstore.errors import InvalidArgument, LeaseError, Overloaded, StoreError
 from kvstore.hitplan import plan_hit
 from kvstore.keys import BlockKey, block_keys, key_words, words_to_keys
 from kvstore.tenants import namespaced
-from kvstore.tier.records import BlockRead, HitAnswer, HitRequest, PutAnswer, StateRead, Stats
+from kvstore.tier.counters import HitCounters
+from kvstore.tier.records import (
+    BlockRead,
+    HitAnswer,
+    HitRequest,
+    LeaseTag,
+    PutAnswer,
+    StateRead,
+    Stats,
+)
 
 FINGERPRINT = GEOMETRY.fingerprint()
 STATE = GEOMETRY.state_size_to_disk
@@ -52,9 +61,21 @@ class ScriptedTier:
         if method in self.raises:
             raise self.raises[method]
 
+    #: The tier's one lease table, as far as a script needs it: lease id → holder.
+    held: dict[str, LeaseTag] = field(default_factory=dict)
+    hit_counters: HitCounters = field(default_factory=HitCounters)
+
+    def lease_tag(self, lease_id: str) -> LeaseTag | None:
+        return self.held.get(lease_id)
+
+    def open_leases(self, tenant: str) -> int:
+        return sum(tag.tenant == tenant for tag in self.held.values())
+
     def query_hit(self, request: HitRequest) -> HitAnswer:
         args = dict(request.__dict__)
         self._enter("query_hit", **args)
+        if request.take_lease:
+            self.held["lease-1"] = request.holder
         keys = key_words(args["block_keys"])
         plan = plan_hit(args["prompt_len"], [True] * len(keys), None, mode=args["mode"])
         hit = plan.hit_tokens // 128

@@ -42,12 +42,12 @@ def tier(
 def test_a_put_is_registered_found_and_fetched_bit_exact() -> None:
     client, _, _ = tier()
     assert client.put("m1", key(1), 128, state(7)) is True  # registered by the time it returns
-    owner = client.locate(key(1))
+    owner = client.lookup([key(1)]).result()[0]
     assert owner is not None and owner.machine_id == "m1"
     fetched = client.get(key(1))
     assert fetched is not None and fetched.owner == owner
     assert np.array_equal(fetched.blob, state(7))
-    assert client.locate(key(2)) is None and client.get(key(2)) is None
+    assert client.lookup([key(2)]).result()[0] is None and client.get(key(2)) is None
 
 
 def test_lookups_go_one_call_per_shard_and_answer_in_order() -> None:
@@ -63,7 +63,7 @@ def test_lookups_go_one_call_per_shard_and_answer_in_order() -> None:
     keys = [key(i) for i in range(30)]
     for i, k in enumerate(keys[::2]):
         client.put(("m0", "m1", "m2")[i % 3], k, 128 * (i + 1), state(i))
-    owners = client.lookup(keys)
+    owners = client.lookup(keys).result()
     assert [o is not None for o in owners] == [i % 2 == 0 for i in range(30)]
     assert sorted(shard for shard, _ in calls) == sorted(client.layout.shards)
     assert sum(count for _, count in calls) == 30
@@ -73,9 +73,9 @@ def test_the_local_store_is_preferred_when_several_hold_a_state() -> None:
     client, _, _ = tier(local="m2")
     client.put("m1", key(5), 256, state(1))
     client.put("m2", key(5), 256, state(1))
-    owner = client.locate(key(5))
+    owner = client.lookup([key(5)]).result()[0]
     assert owner is not None and owner.machine_id == "m2"
-    assert client.locate(key(5), prefer_machine="m1").machine_id == "m1"  # type: ignore[union-attr]
+    assert client.lookup([key(5)], prefer_machine="m1").result()[0].machine_id == "m1"  # type: ignore[union-attr]
 
 
 def test_a_lost_shard_is_a_miss_for_its_keys_only() -> None:
@@ -86,7 +86,7 @@ def test_a_lost_shard_is_a_miss_for_its_keys_only() -> None:
         client.put("m0", k, 128, state(3))
     lost = client.layout.shards[0]
     transport.down.add(lost)
-    owners = client.lookup(keys)
+    owners = client.lookup(keys).result()
     for k, owner in zip(keys, owners, strict=True):
         assert (owner is None) == (shards.shard_of(k) == lost)
 
@@ -99,7 +99,7 @@ def test_a_lost_store_drops_out_after_the_owner_timeout() -> None:
     assert client.get(key(9)) is None  # found in the directory, but its owner does not answer
     clock.advance(6)
     transport.heartbeat()  # the other stores stay alive; m1 is silent
-    assert client.locate(key(9)) is None
+    assert client.lookup([key(9)]).result()[0] is None
 
 
 def test_bad_input_is_refused_before_anything_is_sent() -> None:
@@ -121,7 +121,7 @@ def test_bad_input_is_refused_before_anything_is_sent() -> None:
 def test_a_blob_of_the_wrong_size_is_a_miss() -> None:
     client, transport, _ = tier()
     client.put("m0", key(4), 128, state(4))
-    owner = client.locate(key(4))
+    owner = client.lookup([key(4)]).result()[0]
     assert owner is not None
     agent = transport.agents[owner.store_name]
     agent.store._entries[key(4)].payload = np.zeros(7, dtype=np.uint8)  # a confused store

@@ -1,13 +1,15 @@
 """``TenantView``: one tenant's view of a real tier (the in-process cluster, and a directory of
 files), without Ray. Keys are namespaced per tenant (two tenants' keys never meet), answers carry
 the caller's own keys, the shared namespace is read first and written only by the writer role,
-leases are per view and capped, and policy (sizes, repeats, classes, the bytes quota) is checked
+leases are each tenant's own and capped (also under concurrency), each question is counted
+once, and policy (sizes, repeats, classes, the bytes quota) is checked
 before the tier is asked anything."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +55,7 @@ def view(tier: Tier, name: str, **policy: object) -> TenantView:
     """A tenant's view; the classes it is given are its own (as a tokens file in which no
     other tenant names them marks them)."""
     policy.setdefault("exclusive_classes", policy.get("classes") or ())
-    return TenantView(tier, DIRECTORY.make(name, **policy), lease_seconds=30.0)
+    return TenantView(tier, DIRECTORY.make(name, **policy))
 
 
 def hit(
@@ -322,6 +324,49 @@ def test_the_lease_cap_refuses_and_frees_after_a_release(parts: InProcessTier) -
     assert hit(capped, tokens).lease_id
 
 
+def test_the_lease_cap_holds_when_a_tenant_asks_many_times_at_once(parts: InProcessTier) -> None:
+    # The cap is taken with the lease in the tier's one table: 40 questions at once from a
+    # tenant capped at 5 get exactly 5 leases, never more (a check before asking and a count
+    # after answering let concurrent questions slip past it).
+    capped = view(parts.tier, "capped", max_leases=5)
+    tokens, keys = prompt(2, seed=8)
+    capped.put_blocks(keys, payloads(keys, "c"))
+    start = threading.Barrier(40)
+    granted: list[str] = []
+    refused: list[Overloaded] = []
+
+    def ask() -> None:
+        start.wait()
+        try:
+            answer = hit(capped, tokens)
+            assert answer.lease_id is not None
+            granted.append(answer.lease_id)
+        except Overloaded as error:
+            refused.append(error)
+
+    threads = [threading.Thread(target=ask) for _ in range(40)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert (len(granted), len(refused)) == (5, 35)
+    assert capped.stats().extra["open_leases"] == 5
+    assert outstanding_leases(parts) == 5 * len(keys)  # the refused ones gave theirs back
+
+
+def test_one_question_is_counted_once_for_the_tenant_and_the_tier(parts: InProcessTier) -> None:
+    # A reader of the shared namespace asks the tier two or three times per question (shared,
+    # own, mixed); the figures count the question, once, in one set of counters.
+    writer, reader, _, tokens, keys = _shared_setup(parts.tier)
+    answer = hit(reader, tokens, lease=False)
+    assert answer.plan.block_hit_tokens == 6 * BLOCK
+    mine = reader.stats().classes["default"]
+    assert (mine["lookups"], mine["hit_blocks"], mine["miss_blocks"]) == (1, 6, 0)
+    whole = parts.tier.stats().classes["default"]
+    assert (whole["lookups"], whole["hit_blocks"], whole["miss_blocks"]) == (1, 6, 0)
+    assert writer.stats().classes.get("default", {}).get("lookups", 0) == 0
+
+
 def test_keep_lease_reads_several_batches_with_one_lease(parts: InProcessTier) -> None:
     a = view(parts.tier, "alice")
     tokens, keys = prompt(6, seed=7)
@@ -481,7 +526,7 @@ def test_with_a_quota_in_the_file_every_tenant_names_its_classes(tmp_path: Path)
 
 
 def test_tenant_views_keep_one_view_per_tenant_and_take_new_policy(parts: InProcessTier) -> None:
-    views = TenantViews(parts.tier, lease_seconds=30.0)
+    views = TenantViews(parts.tier)
     first = DIRECTORY.make("alice", max_leases=5)
     alice = views.view(first)
     assert views.view(first) is alice and alice.tenant is first

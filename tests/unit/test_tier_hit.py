@@ -8,6 +8,7 @@ import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,10 +16,12 @@ import pytest
 from kvstore.errors import InvalidArgument, StoreError
 from kvstore.geometry import GeometryConfig
 from kvstore.keys import BlockKey, block_keys, words_to_keys
+from kvstore.pending import Pending
 from kvstore.swa.advice import FetchReplayAdvisor
 from kvstore.swa.config import SWAConfig
 from kvstore.swa.directory import StoreRef
 from kvstore.tier.hit import HitQuery, HitResult
+from kvstore.tier.records import HitRequest
 
 GEOMETRY = GeometryConfig.default()
 M0 = StoreRef("m0", "swa-store-m0")
@@ -40,7 +43,10 @@ class Blocks:
     released: list[Lease] = field(default_factory=list)
     fail: bool = False
 
-    def lookup(self, keys: np.ndarray) -> tuple[int, Lease]:
+    def lookup(self, keys: np.ndarray) -> Pending[tuple[int, Lease]]:
+        return Pending.of(lambda: self.run(keys))  # answered when waited for, either way
+
+    def run(self, keys: np.ndarray) -> tuple[int, Lease]:
         keys = words_to_keys(keys)  # the hit query hands keys over as (n, 4) words
         self.asked.append(len(keys))
         if self.fail:
@@ -54,9 +60,6 @@ class Blocks:
         self.leases.append(lease)
         return run, lease
 
-    async def lookup_async(self, keys: np.ndarray) -> tuple[int, Lease]:
-        return self.lookup(keys)
-
     def release(self, lease: Lease) -> None:
         self.released.append(lease)
 
@@ -68,15 +71,16 @@ class States:
 
     def locate(
         self, key: BlockKey, position: int, prefer_machine: str | None = None
-    ) -> StoreRef | None:
-        self.asked.append((key, position, prefer_machine))
-        return self.where.get(key)
+    ) -> Pending[StoreRef | None]:
+        def answer() -> StoreRef | None:
+            self.asked.append((key, position, prefer_machine))
+            return self.where.get(key)
 
-    async def locate_async(
-        self, key: BlockKey, position: int, prefer_machine: str | None = None
-    ) -> StoreRef | None:
-        await asyncio.sleep(0)  # a real await: the plan must survive being suspended here
-        return self.locate(key, position, prefer_machine)
+        async def later() -> StoreRef | None:
+            await asyncio.sleep(0)  # a real await: the plan must survive being suspended here
+            return answer()
+
+        return Pending(answer, later)
 
 
 class Driven:
@@ -86,10 +90,20 @@ class Driven:
         self._query = query
         self._driver = driver
 
-    def query_hit(self, *args: object) -> HitResult:
+    def query_hit(self, keys_or_tokens: Any, prompt_len: int, mode: str = "standard") -> HitResult:
+        # The request is checked where it is made: a bad one never reaches the query.
+        as_tokens = isinstance(keys_or_tokens, np.ndarray) or (
+            bool(keys_or_tokens) and isinstance(keys_or_tokens[0], int | np.integer)
+        )
+        request = HitRequest(
+            token_ids=keys_or_tokens if as_tokens else None,
+            block_keys=None if as_tokens else keys_or_tokens,
+            prompt_len=prompt_len,
+            mode=mode,
+        )
         if self._driver == "sync":
-            return self._query.query_hit(*args)  # type: ignore[arg-type]
-        return asyncio.run(self._query.query_hit_async(*args))  # type: ignore[arg-type]
+            return self._query.query_hit(request)
+        return asyncio.run(self._query.query_hit_async(request))
 
 
 DRIVER = ["sync"]
@@ -242,8 +256,12 @@ def test_bad_requests_take_no_lease() -> None:
         query.query_hit(tokens(999), 1000)
     with pytest.raises(InvalidArgument, match=r"block_keys\[0\]"):
         query.query_hit([b"short"], 1000)
-    with pytest.raises(InvalidArgument, match="keys_or_tokens"):
-        query.query_hit(b"x" * 32, 1000)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="token_ids"):
+        HitRequest(token_ids=b"x" * 32)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="traffic_class"):
+        HitRequest(block_keys=keys, prompt_len=1000, traffic_class="c" * 65)
+    with pytest.raises(InvalidArgument, match="prompt_len"):
+        HitRequest(block_keys=keys, prompt_len=-1)
     assert blocks.asked == [] and blocks.leases == []
 
 
@@ -269,10 +287,10 @@ def test_the_lease_is_released_when_planning_fails_after_it_was_taken() -> None:
 def test_a_block_tier_answering_nonsense_is_an_error_and_releases() -> None:
     query, blocks, _, keys = setup(1000, 7, {})
 
-    def nonsense(keys: Sequence[BlockKey]) -> tuple[int, Lease]:
+    def nonsense(keys: Sequence[BlockKey]) -> Pending[tuple[int, Lease]]:
         lease = Lease(())
         blocks.leases.append(lease)
-        return len(keys) + 1, lease
+        return Pending.done((len(keys) + 1, lease))
 
     blocks.lookup = nonsense  # type: ignore[method-assign]
     with pytest.raises(StoreError, match="answered 7 blocks for 6 keys"):

@@ -81,7 +81,7 @@ def _seed_states(
 
 def _holders(client: SWAClient, slots: list[BlockKey]) -> list[str | None]:
     """The machine the directory names for each state (None: a miss)."""
-    return [None if ref is None else ref.machine_id for ref in client.lookup(slots)]
+    return [None if ref is None else ref.machine_id for ref in client.lookup(slots).result()]
 
 
 def _foreign_sockets(tier: ChaosTier) -> dict[str, list[str]]:

@@ -88,7 +88,7 @@ def swa_loss(tier: ChaosTier) -> ScenarioResult:
         for index in range(STATES_PER_MACHINE):
             put_state(machine, BlockKey(rng.bytes(32)), geometry.block_tokens * (index + 1))
     registered = wait_until(
-        lambda: all(owner is not None for owner in client.lookup(list(states))),
+        lambda: all(owner is not None for owner in client.lookup(list(states)).result()),
         config.detect_timeout_s,
     )
     result.require(registered is not None, "states never registered in the directory")
@@ -119,7 +119,7 @@ def swa_loss(tier: ChaosTier) -> ScenarioResult:
     recovered: float | None = None
     while time.monotonic() - killed_at < config.repair_timeout_s:
         started = time.monotonic()
-        owners = client.lookup(list(states))  # must answer, never raise
+        owners = client.lookup(list(states)).result()  # must answer, never raise
         slowest = max(slowest, time.monotonic() - started)
         result.operations += len(owners)
         outage_misses += sum(owner is None for owner in owners)
@@ -164,7 +164,7 @@ def swa_loss(tier: ChaosTier) -> ScenarioResult:
     crashed_at = time.monotonic()
     result.faults += 1
     gone = wait_until(
-        lambda: all(owner is None for owner in client.lookup(list(lost))),
+        lambda: all(owner is None for owner in client.lookup(list(lost)).result()),
         config.swa_owner_timeout_s + config.detect_timeout_s,
     )
     result.detect_s = seconds_or_violation(
@@ -216,7 +216,7 @@ def swa_loss(tier: ChaosTier) -> ScenarioResult:
         slot = state_slot(fresh, geometry.block_tokens)
         if slot not in states:
             put_state(victim, fresh, geometry.block_tokens)
-        return all(client.lookup([slot, *survivors]))
+        return all(client.lookup([slot, *survivors]).result())
 
     healed = wait_until(taken_back, config.repair_timeout_s)
     seconds_or_violation(

@@ -1,0 +1,65 @@
+"""``Pending``: a result on its way, waited for from a thread or from an asyncio loop.
+
+The hit path is asked both ways: by threads (an engine, a tool, the gateway's pool) and from the
+gateway's event loop, where a parked thread per QueryHit would cap its concurrency. Rather than a
+sync and an ``_async`` twin of every call on the way down, each layer returns one ``Pending``
+and maps what comes back with ``then``; only the bottom says how to wait each way (the fanout's
+``gather`` and ``gather_async``, a coalescer's thread and loop forms). A caller picks its side
+once: ``pending.result()`` in a thread, ``await pending`` on a loop.
+
+Nothing is sent until the first wait (the bottom's thunks run then), so a ``Pending`` that is
+never waited for costs nothing; each is waited for once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, Generic, TypeVar
+
+R = TypeVar("R", covariant=True)
+S = TypeVar("S")
+
+
+class Pending(Generic[R]):
+    """``result()`` from a thread, ``await`` from a loop: the same answer either way."""
+
+    __slots__ = ("_wait", "_wait_async")
+
+    def __init__(self, wait: Callable[[], R], wait_async: Callable[[], Awaitable[R]]) -> None:
+        self._wait = wait
+        self._wait_async = wait_async
+
+    @classmethod
+    def done(cls, value: S) -> Pending[S]:
+        """An answer already here (an in-process part: nothing to wait for)."""
+
+        async def ready() -> S:
+            return value
+
+        return Pending(lambda: value, ready)
+
+    @classmethod
+    def of(cls, compute: Callable[[], S]) -> Pending[S]:
+        """An answer computed when waited for, in the waiter's thread or on its loop (an
+        in-process part that does not block: files, stand-ins)."""
+
+        async def computed() -> S:
+            return compute()
+
+        return Pending(compute, computed)
+
+    def then(self, step: Callable[[R], S]) -> Pending[S]:
+        """The answer mapped by ``step`` (run in whichever side waits)."""
+        wait, wait_async = self._wait, self._wait_async
+
+        async def mapped() -> S:
+            return step(await wait_async())
+
+        return Pending(lambda: step(wait()), mapped)
+
+    def result(self) -> R:
+        """Wait in this thread."""
+        return self._wait()
+
+    def __await__(self) -> Generator[Any, None, R]:
+        return self._wait_async().__await__()
