@@ -13,7 +13,8 @@ never waited for costs nothing; each is waited for once.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Generator
+import asyncio
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar
 
 R = TypeVar("R", covariant=True)
@@ -56,6 +57,34 @@ class Pending(Generic[R]):
             return step(await wait_async())
 
         return Pending(lambda: step(wait()), mapped)
+
+    def recover(self, error: type[BaseException], fallback: Callable[[Any], S]) -> Pending[R | S]:
+        """The answer, or ``fallback(exception)`` when waiting raised ``error``."""
+        wait, wait_async = self._wait, self._wait_async
+
+        def waited() -> R | S:
+            try:
+                return wait()
+            except error as raised:
+                return fallback(raised)
+
+        async def awaited() -> R | S:
+            try:
+                return await wait_async()
+            except error as raised:
+                return fallback(raised)
+
+        return Pending(waited, awaited)
+
+    @staticmethod
+    def all(parts: Sequence[Pending[S]]) -> Pending[list[S]]:
+        """Every part's answer, in order: one after another from a thread, together on a loop
+        (where they share a round of calls)."""
+
+        async def together() -> list[S]:
+            return list(await asyncio.gather(*(part._wait_async() for part in parts)))
+
+        return Pending(lambda: [part.result() for part in parts], together)
 
     def result(self) -> R:
         """Wait in this thread."""

@@ -23,7 +23,6 @@ them here, and ``HitResult.answer`` is the one translation into the seam's ``Hit
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -171,19 +170,10 @@ class HitQuery:
         steps = self._steps(request)
         need = _advance(steps, None, None)
         while not isinstance(need, HitResult):
-            reply: Any = None
-            error: BaseException | None = None
             try:
-                if need[0] == "blocks":
-                    try:
-                        reply = self._blocks.lookup(need[1]).result()
-                    except StoreError as failed:
-                        reply = _block_tier_down(failed)
-                else:
-                    reply = [pending.result() for pending in self._ask_states(need)]
-                    reply = reply if need[0] == "states" else reply[0]
-            except BaseException as raised:
-                error = raised
+                reply, error = self._ask(need).result(), None
+            except BaseException as raised:  # handed to the plan, which gives back its lease
+                reply, error = None, raised
             need = _advance(steps, reply, error)
         return need
 
@@ -193,22 +183,25 @@ class HitQuery:
         steps = self._steps(request)
         need = _advance(steps, None, None)
         while not isinstance(need, HitResult):
-            reply: Any = None
-            error: BaseException | None = None
             try:
-                if need[0] == "blocks":
-                    try:
-                        reply = await self._blocks.lookup(need[1])
-                    except StoreError as failed:
-                        reply = _block_tier_down(failed)
-                else:
-                    # Asked together, they share one round of directory calls.
-                    reply = await asyncio.gather(*self._ask_states(need))
-                    reply = reply if need[0] == "states" else reply[0]
-            except BaseException as raised:
-                error = raised
+                reply, error = await self._ask(need), None
+            except BaseException as raised:  # handed to the plan, which gives back its lease
+                reply, error = None, raised
             need = _advance(steps, reply, error)
         return need
+
+    def _ask(self, need: _Need) -> Pending[Any]:
+        """What ``need`` asks of the tiers, as one ``Pending`` (an unreachable block tier is a
+        miss: nothing reused, nothing leased)."""
+        if need[0] == "blocks":
+            asked: Pending[Any] = self._blocks.lookup(need[1]).recover(StoreError, _block_tier_down)
+        else:
+            wanted = need[1] if need[0] == "states" else [need[1]]
+            owners = Pending.all(
+                [self._states.locate(key, at, self.local_machine) for key, at in wanted]
+            )
+            asked = owners if need[0] == "states" else owners.then(lambda found: found[0])
+        return asked
 
     def _steps(self, request: HitRequest) -> Generator[_Need, Any, HitResult]:
         """The plan, one step at a time: it yields what it needs of the tiers and is sent the
@@ -251,10 +244,6 @@ class HitQuery:
             if lease is not None:
                 self._blocks.release(lease)
             raise
-
-    def _ask_states(self, need: _Need) -> list[Pending[StoreRef | None]]:
-        asked = need[1] if need[0] == "states" else [need[1]]
-        return [self._states.locate(key, position, self.local_machine) for key, position in asked]
 
 
 def _block_tier_down(error: StoreError) -> tuple[int, None]:

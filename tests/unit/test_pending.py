@@ -70,3 +70,21 @@ def test_a_thread_wait_runs_in_the_callers_thread() -> None:
     worker.start()
     worker.join()
     assert seen == ["asker"]
+
+
+def test_all_answers_in_order_and_recover_stands_in_for_one_error() -> None:
+    def make() -> Pending[list[int]]:
+        parts = [Pending.done(1), Pending.of(lambda: 2), Pending.done(3)]
+        return Pending.all(parts)
+
+    assert both_ways(make) == ([1, 2, 3], [1, 2, 3])
+
+    def gone() -> int:
+        raise KeyError("gone")
+
+    def recovered() -> Pending[int | str]:
+        return Pending.of(gone).recover(KeyError, lambda error: f"miss: {error}")
+
+    assert both_ways(recovered) == ("miss: 'gone'", "miss: 'gone'")
+    with pytest.raises(KeyError):  # another kind of error is not recovered
+        Pending.of(gone).recover(ValueError, lambda error: 0).result()
