@@ -85,13 +85,13 @@ class BenchAgent:
         hits = 0
         for _ in range(reps):
             start = time.perf_counter()
-            owners = self.swa.lookup(keys)
+            owners = self.swa.lookup(keys).result()
             batch.append(time.perf_counter() - start)
             hits = sum(owner is not None for owner in owners)
         single: list[float] = []
         for index in range(reps):
             start = time.perf_counter()
-            self.swa.locate(keys[index % len(keys)])
+            self.swa.lookup([keys[index % len(keys)]]).result()
             single.append(time.perf_counter() - start)
         result = {"batch": summary(batch), "single": summary(single), "hits_per_batch": hits}
         result["keys_per_s"] = round(len(keys) * len(batch) / sum(batch))
@@ -101,7 +101,7 @@ class BenchAgent:
         """Fetch latency of one state. Before each fetch the owner re-stores it (untimed): a new
         object each time, so a reader on another node really pulls it across instead of reusing
         the copy Ray cached on this node by the previous fetch."""
-        owner = self.swa.locate(key)
+        owner = self.swa.lookup([key]).result()[0]
         assert owner is not None, "state not in the directory"
         seconds: list[float] = []
         for _ in range(reps):

@@ -81,7 +81,7 @@ def test_a_state_stored_on_one_machine_is_fetched_bit_exact_from_another_node(
     key = fresh_keys(1)[0]
     original = state(1)
     assert client.put(m0, key, 1024, original) is True
-    owner = client.locate(key)
+    owner = client.lookup([key]).result()[0]
     assert owner is not None and owner.machine_id == m0
 
     remote = Requester.options(**pin_to_machine(m1)).remote(swa, m1)  # type: ignore[attr-defined]
@@ -113,7 +113,7 @@ def test_lookups_are_batched_one_call_per_shard(swa: SWADeployment) -> None:
     entries = [swa.entrypoint(s) for s in swa.shards]
     before = ray.get([e.stats.remote() for e in entries], timeout=30)
     keys = fresh_keys(300)
-    assert client.lookup(keys) == [None] * 300
+    assert client.lookup(keys).result() == [None] * 300
     after = ray.get([e.stats.remote() for e in entries], timeout=30)
     groups = ShardMap(swa.shards).group(keys)
     for shard, old, new in zip(swa.shards, before, after, strict=True):
@@ -144,7 +144,7 @@ def test_wrong_size_or_misaligned_position_is_rejected_naming_both(
         ray.get(store.put.remote(key, 128, np.zeros(0, dtype=np.uint8)), timeout=30)
     assert caught.value.argument == "blob"
     assert ray.get(store.contains.remote([key]), timeout=30) == [False]
-    assert client.locate(key) is None
+    assert client.lookup([key]).result()[0] is None
 
 
 def test_a_killed_entrypoint_answers_miss_until_stores_re_register(
@@ -166,7 +166,7 @@ def test_a_killed_entrypoint_answers_miss_until_stores_re_register(
         keys = fresh_keys(8)
         for index, key in enumerate(keys):
             assert client.put(machines[index % 2], key, 128 * (index + 1), state(index)) is True
-        assert all(owner is not None for owner in client.lookup(keys))
+        assert all(owner is not None for owner in client.lookup(keys).result())
         on_e0 = [k for k in keys if ShardMap(swa.shards).shard_of(k) == "e0"]
         others = [k for k in keys if k not in on_e0]
         assert on_e0 and others
@@ -176,7 +176,7 @@ def test_a_killed_entrypoint_answers_miss_until_stores_re_register(
         ray.kill(entry, no_restart=False)
         deadline = time.monotonic() + 60
         while True:  # wait for the replacement; lookups meanwhile answer, never raise
-            assert len(client.lookup(on_e0)) == len(on_e0)
+            assert len(client.lookup(on_e0).result()) == len(on_e0)
             try:
                 if ray.get(entry.ping.remote(), timeout=5) != incarnation:
                     break
@@ -184,14 +184,14 @@ def test_a_killed_entrypoint_answers_miss_until_stores_re_register(
                 pass
             assert time.monotonic() < deadline, "the entrypoint never came back"
             time.sleep(0.2)
-        assert client.lookup(on_e0) == [None] * len(on_e0)
-        assert all(owner is not None for owner in client.lookup(others))
+        assert client.lookup(on_e0).result() == [None] * len(on_e0)
+        assert all(owner is not None for owner in client.lookup(others).result())
 
         synced = ray.get([swa.store(m).sync_now.remote() for m in machines], timeout=30)
         assert all(all(answered.values()) for answered in synced)
         # The replacement asked for a full registration; the next sync sends it.
         ray.get([swa.store(m).sync_now.remote() for m in machines], timeout=30)
-        owners = client.lookup(keys)
+        owners = client.lookup(keys).result()
         assert [o.machine_id if o else None for o in owners] == [
             machines[i % 2] for i in range(len(keys))
         ]
@@ -208,7 +208,7 @@ def test_entrypoint_recovery_happens_by_itself_through_heartbeats(
     keys = fresh_keys(12)
     for index, key in enumerate(keys):
         client.put(ray_cluster.machines[index % 3], key, 128, state(100 + index))
-    assert all(owner is not None for owner in client.lookup(keys))
+    assert all(owner is not None for owner in client.lookup(keys).result())
     entry = swa.entrypoint("e1")
     incarnation = ray.get(entry.ping.remote(), timeout=30)
     ray.kill(entry, no_restart=False)
@@ -221,7 +221,7 @@ def test_entrypoint_recovery_happens_by_itself_through_heartbeats(
             pass
         assert time.monotonic() < deadline, "the entrypoint never came back"
         time.sleep(0.1)
-    while not all(owner is not None for owner in client.lookup(keys)):
+    while not all(owner is not None for owner in client.lookup(keys).result()):
         assert time.monotonic() < deadline, "stores never re-registered with the new entrypoint"
         time.sleep(0.2)
 
@@ -236,13 +236,13 @@ def test_a_machine_removed_without_notice_drops_out_within_the_owner_timeout(
         key, survivor = fresh_keys(2)
         assert client.put(doomed, key, 512, state(7)) is True
         assert client.put(ray_cluster.machines[0], survivor, 512, state(8)) is True
-        owner = client.locate(key)
+        owner = client.lookup([key]).result()[0]
         assert owner is not None and owner.machine_id == doomed
         assert client.fetch(owner, key) is not None
 
         ray_cluster.remove_machine(doomed, graceful=False)
         removed_at = time.monotonic()
-        while client.locate(key) is not None:
+        while client.lookup([key]).result()[0] is not None:
             assert time.monotonic() - removed_at < swa.config.owner_timeout_s + 3.0
             time.sleep(0.1)
         gone_after = time.monotonic() - removed_at
@@ -280,7 +280,7 @@ def test_lru_eviction_and_ttl_expiry_unregister_from_the_directory(
         client.put(m0, first, 128, state(1))
         client.put(m0, second, 256, state(2))
         assert client.put(m0, third, 384, state(3)) is True  # evicts `first` (LRU)
-        assert [o is not None for o in client.lookup([first, second, third])] == [
+        assert [o is not None for o in client.lookup([first, second, third]).result()] == [
             False,
             True,
             True,
@@ -288,7 +288,7 @@ def test_lru_eviction_and_ttl_expiry_unregister_from_the_directory(
         assert client.get(first) is None
         # Nothing touches them now: within TTL + a heartbeat they expire and leave the directory.
         deadline = time.monotonic() + config.ttl_s + 5.0
-        while any(o is not None for o in client.lookup([second, third])):
+        while any(o is not None for o in client.lookup([second, third]).result()):
             assert time.monotonic() < deadline, "expired states are still in the directory"
             time.sleep(0.1)
         stats: dict[str, Any] = ray.get(swa.store(m0).stats.remote(), timeout=30)
@@ -323,7 +323,7 @@ def test_losing_the_machine_of_an_entrypoint_is_survived(ray_cluster: LocalClust
         registered = [client.put(m0, k, 128 * (i + 1), state(i)) for i, k in enumerate(keys)]
         lost_state = fresh_keys(1)[0]
         registered.append(client.put(doomed, lost_state, 128, state(99)))
-        found = client.lookup([*keys, lost_state])
+        found = client.lookup([*keys, lost_state]).result()
         assert all(registered)
         assert all(o is not None for o in found)
         on_e1 = [k for k in keys if shard_map.shard_of(k) == "e1"]
@@ -340,7 +340,7 @@ def test_losing_the_machine_of_an_entrypoint_is_survived(ray_cluster: LocalClust
         deadline = time.monotonic() + 60
         while True:
             started = time.monotonic()
-            owners = client.lookup(keys)  # never raises, bounded by the call timeout
+            owners = client.lookup(keys).result()  # never raises, bounded by the call timeout
             assert time.monotonic() - started <= config.call_timeout_s + 1.0
             # Shard e0 lives on a healthy machine: its keys keep answering the whole time.
             assert all(owners[keys.index(k)] is not None for k in on_e0)
@@ -350,11 +350,11 @@ def test_losing_the_machine_of_an_entrypoint_is_survived(ray_cluster: LocalClust
             # may still answer Ray's direct calls for a moment.)
             assert time.monotonic() < deadline, "shard e1 never came back"
             time.sleep(0.2)
-        owners_now = client.lookup(keys)
+        owners_now = client.lookup(keys).result()
         assert [o.machine_id if o else None for o in owners_now] == [m0] * len(keys)
         # The lost machine's own state is a miss, not an error.
         deadline = time.monotonic() + config.owner_timeout_s + 5
-        while client.locate(lost_state) is not None:
+        while client.lookup([lost_state]).result()[0] is not None:
             assert time.monotonic() < deadline
             time.sleep(0.2)
         assert client.get(lost_state) is None
@@ -385,7 +385,9 @@ def test_an_unresponsive_entrypoint_endpoint_delays_no_other_shard(swa: SWADeplo
     for shard, name in zip(swa.shards, names, strict=True):  # every shard on its socket
         endpoint = ray.get(swa.entrypoint(shard).fast_endpoint.remote(), timeout=30)
         fast._channels[name] = FastChannel(tuple(endpoint))
-    assert all(o is not None for o in client.lookup(keys))  # each channel now holds a socket
+    assert all(
+        o is not None for o in client.lookup(keys).result()
+    )  # each channel now holds a socket
     assert all(fast._channels[name].idle() for name in names)
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
     try:
@@ -393,7 +395,7 @@ def test_an_unresponsive_entrypoint_endpoint_delays_no_other_shard(swa: SWADeplo
         fast._channels[victim] = FastChannel((*silent.getsockname(), b"k" * 32))
         on_victim = per_shard[swa.shards[0]]
         started = time.monotonic()
-        owners = client.lookup(keys)
+        owners = client.lookup(keys).result()
         assert time.monotonic() - started <= swa.config.call_timeout_s + 1.0
         for key, owner in zip(keys, owners, strict=True):
             if key not in on_victim:
@@ -402,6 +404,8 @@ def test_an_unresponsive_entrypoint_endpoint_delays_no_other_shard(swa: SWADeplo
             fast._channels.get(victim) is None
             or fast._channels[victim].endpoint[1] != (silent.getsockname()[1])
         )
-        assert all(o is not None for o in client.lookup(keys))  # through Ray, then re-resolved
+        assert all(
+            o is not None for o in client.lookup(keys).result()
+        )  # through Ray, then re-resolved
     finally:
         silent.close()
