@@ -43,6 +43,7 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_SHARED_FILE = (_NEW_FILE & ~os.O_WRONLY) | os.O_RDWR
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -116,10 +117,20 @@ class PrivateDir:
         """A new 0600 file ``name`` opened for writing (the caller closes it). Whatever was at
         the name is unlinked first, never written through."""
         try:
-            fd = os.open(name, _NEW_FILE, FILE_MODE, dir_fd=self.fd)
+            return self._new_file(name, _NEW_FILE)
         except FileExistsError:
             self.remove(name)  # the entry itself: a symlink's target is not touched
-            fd = os.open(name, _NEW_FILE, FILE_MODE, dir_fd=self.fd)
+            return self._new_file(name, _NEW_FILE)
+
+    def create_shared(self, name: str) -> int:
+        """A new 0600 file ``name`` opened read-write, for mapping shared (the caller closes
+        it). ``FileExistsError`` when anything is at the name, and that entry is left alone:
+        where several live processes of ours keep files in one directory (the engine's staging
+        areas) it may be another one's file, so the caller picks another name."""
+        return self._new_file(name, _NEW_SHARED_FILE)
+
+    def _new_file(self, name: str, flags: int) -> int:
+        fd = os.open(name, flags, FILE_MODE, dir_fd=self.fd)
         try:
             os.fchmod(fd, FILE_MODE)  # exactly 0600, whatever the umask took away
         except BaseException:

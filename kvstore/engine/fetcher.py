@@ -8,7 +8,10 @@ interpreter (``python -m kvstore.engine.fetcher``: no inherited CUDA context, lo
 and never imports torch. It is started with ``subprocess``, not ``multiprocessing``, because
 engines run their workers as daemonic ``multiprocessing`` processes (vLLM does), which
 ``multiprocessing`` forbids to have children; the pipes are ``multiprocessing.connection``
-objects over inherited file descriptors, and the reader factory is the first message.
+objects over inherited file descriptors, and the reader factory is the first message. The
+staging area is inherited the same way, as its open (and locked) file: the fetcher maps that
+descriptor and never opens the area by name, so a name unlinked or a file planted at it cannot
+receive KV (``kvstore.engine.staging``, issue 31).
 
 Protocol (two one-way pipes): the engine sends ``FetchJob`` objects (``None`` to stop); the
 fetcher answers ``("layer", job, i)`` after it has written layer i and set its ready word,
@@ -52,7 +55,7 @@ from kvstore.engine.staging import (
     StageLayout,
     StagingArea,
     StagingRegion,
-    map_staging_file,
+    map_staging_fd,
 )
 from kvstore.errors import InvalidArgument, SwapInError
 from kvstore.geometry import GeometryConfig
@@ -67,7 +70,6 @@ class FetchJob:
     """One load for the fetcher process (plain data: it is pickled through a pipe)."""
 
     job_id: int
-    staging_path: str
     region_offset: int
     region_nbytes: int
     kv: KVLayout
@@ -113,15 +115,19 @@ class FileGate:
 
 
 def fetcher_main(
-    jobs: Connection, events: Connection, factory: ReaderFactory, gate: LayerGate | None
+    jobs: Connection,
+    events: Connection,
+    factory: ReaderFactory,
+    gate: LayerGate | None,
+    buffer: np.ndarray,
 ) -> None:
-    """Entry point of the fetcher process: serve jobs until ``None`` or the engine goes away."""
+    """Entry point of the fetcher process: serve jobs into ``buffer`` (the mapped staging
+    area) until ``None`` or the engine goes away."""
     try:
         reader = factory()
     except Exception as error:  # noqa: BLE001 - reported to the engine, which fails every load
         events.send(("dead", 0, f"reader factory failed: {type(error).__name__}: {error}"))
         return
-    mappings: dict[str, tuple[Any, np.ndarray]] = {}
     while True:
         try:
             job = jobs.recv()
@@ -130,9 +136,6 @@ def fetcher_main(
         if job is None:
             break
         try:
-            if job.staging_path not in mappings:
-                mappings[job.staging_path] = map_staging_file(job.staging_path)
-            buffer = mappings[job.staging_path][1]
             region = buffer[job.region_offset : job.region_offset + job.region_nbytes]
             run_job(job, region, reader, gate, lambda *message: events.send(message))
         except Exception as error:  # noqa: BLE001 - one bad job must not stop the fetcher
@@ -342,10 +345,20 @@ class Fetcher:
         self.kv = geometry if isinstance(geometry, KVLayout) else KVLayout.from_geometry(geometry)
         jobs_read, jobs_write = os.pipe()
         events_read, events_write = os.pipe()
+        staging = area.fileno()
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "kvstore.engine.fetcher", str(jobs_read), str(events_write)],
-                pass_fds=(jobs_read, events_write),
+                [
+                    sys.executable,
+                    "-m",
+                    "kvstore.engine.fetcher",
+                    str(jobs_read),
+                    str(events_write),
+                    str(staging),
+                ],
+                # The staging file itself, open: the child keeps it (and so its lock) until it
+                # exits, and never looks the area up by name.
+                pass_fds=(jobs_read, events_write, staging),
                 env=child_env(),
                 stdin=subprocess.DEVNULL,
             )
@@ -407,7 +420,6 @@ class Fetcher:
         fetch = StagedFetch(self, job_id, layout, region, view)
         job = FetchJob(
             job_id=job_id,
-            staging_path=str(self.area.path),
             region_offset=region.offset,
             region_nbytes=region.nbytes,
             kv=self.kv,
@@ -489,8 +501,9 @@ class Fetcher:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m kvstore.engine.fetcher JOBS_FD EVENTS_FD``: the fetcher process (started by
-    ``Fetcher``; the first message on JOBS is ``(reader_factory, gate)``)."""
+    """``python -m kvstore.engine.fetcher JOBS_FD EVENTS_FD STAGING_FD``: the fetcher process
+    (started by ``Fetcher``; the first message on JOBS is ``(reader_factory, gate)``; STAGING is
+    the open staging file, mapped here and kept open for as long as the process lives)."""
     args = sys.argv[1:] if argv is None else argv
     jobs = Connection(int(args[0]), writable=False)
     events = Connection(int(args[1]), readable=False)
@@ -501,7 +514,12 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as error:  # noqa: BLE001 - an unpicklable factory: tell the engine
         events.send(("dead", 0, f"reader factory did not arrive: {type(error).__name__}: {error}"))
         return
-    fetcher_main(jobs, events, factory, gate)
+    try:
+        _, buffer = map_staging_fd(int(args[2]))
+    except (OSError, ValueError, InvalidArgument) as error:
+        events.send(("dead", 0, f"cannot map the staging area: {type(error).__name__}: {error}"))
+        return
+    fetcher_main(jobs, events, factory, gate, buffer)
 
 
 if __name__ == "__main__":

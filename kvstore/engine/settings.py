@@ -45,7 +45,9 @@ class ConnectorSettings:
     hit_mode: str | None = None
     #: Bytes of the /dev/shm staging area loads land in before they are copied into the KV cache.
     staging_bytes: int = 256 * 1024 * 1024
-    staging_dir: str = "/dev/shm"
+    #: Where this user's private staging directory (``kvstore-<uid>``) is made; None:
+    #: ``/dev/shm``, or the temp directory where there is none.
+    staging_dir: str | None = None
     #: Seconds a QueryHit may take before the request is planned as a miss.
     lookup_timeout_s: float = 2.0
     #: After the tier failed to answer, every lookup is a miss for this long without asking.
@@ -94,7 +96,7 @@ class ConnectorSettings:
         for name in ("load", "save"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
-        if not Path(self.staging_dir).is_dir():
+        if self.staging_dir is not None and not Path(self.staging_dir).is_dir():
             raise ConfigError("staging_dir", f"{self.staging_dir} is not a directory")
 
     @classmethod

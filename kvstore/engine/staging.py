@@ -18,14 +18,34 @@ the reader's loads.
 
 Status of a block or of the state: PENDING, OK (bytes are exactly what the tier returned) or
 FAILED (a miss: its bytes in staging are meaningless and are never copied to the pools).
+
+**Where the file lives, and who may touch it** (issue 31). The file holds a tenant's KV, and
+``/dev/shm`` is shared by every local user and, with ``--ipc=host``, by every container:
+
+- It lives in ``<root>/kvstore-<euid>/`` (root: ``/dev/shm``, or the temp directory where there
+  is none), a directory that only this user can enter: created 0700, and refused when it is a
+  symlink or owned by anyone else (``kvstore.privatefs``), so nobody else can plant, swap or
+  read an entry in it.
+- The file is created ``O_CREAT | O_EXCL | O_NOFOLLOW``, 0600, relative to that directory's
+  descriptor; an entry already at the name is left alone and another random name taken.
+- The fetcher process inherits the open file (``pass_fds``) and maps that: nothing ever opens
+  the area again by its name, so neither an unlinked name nor a file planted at it later can
+  receive KV.
+- A live area is one whose ``flock`` is held: its creator takes it on the open file and keeps
+  it until ``close`` (the fetcher's inherited descriptor shares it). ``remove_stale_areas``
+  removes only files whose lock it can take, never judging by a pid, which an engine in another
+  PID namespace sharing ``/dev/shm`` sees as dead (or as someone else's).
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import secrets
+import stat
+import tempfile
 import threading
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -34,6 +54,7 @@ import numpy as np
 
 from kvstore.engine.kvlayout import KVLayout
 from kvstore.errors import InvalidArgument, StagingFull
+from kvstore.privatefs import PrivateDir
 
 PENDING = 0
 OK = 1
@@ -45,6 +66,8 @@ ALIGN = 64
 #: Regions start on page boundaries so each can be handed to a device independently.
 REGION_ALIGN = 4096
 _FIXED_HEADER = 64
+#: New random names tried when something is already at one (never overwritten or unlinked).
+_NAME_ATTEMPTS = 8
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -218,12 +241,16 @@ class StagingRegion:
 
 
 class StagingArea:
-    """A shared-memory file both processes map; regions handed out first-fit, freed on finish."""
+    """A shared-memory file both processes map; regions handed out first-fit, freed on finish.
+
+    ``directory`` is the root the private ``kvstore-<euid>`` directory is made in (None:
+    ``default_staging_root()``). ``fileno()`` is the open, locked file the fetcher inherits.
+    """
 
     def __init__(
         self,
         capacity_bytes: int,
-        directory: str | os.PathLike[str] = "/dev/shm",
+        directory: str | os.PathLike[str] | None = None,
         *,
         name_prefix: str = "kvstore-staging",
     ) -> None:
@@ -234,34 +261,40 @@ class StagingArea:
                 "capacity_bytes", f"must be at least {REGION_ALIGN}, got {capacity_bytes}"
             )
         self.capacity = _round_up(capacity_bytes, REGION_ALIGN)
-        folder = Path(directory)
-        if not folder.is_dir():
-            raise InvalidArgument("directory", f"{folder} is not a directory")
-        remove_stale_areas(folder, name_prefix)
-        self.path = folder / f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        root = Path(default_staging_root() if directory is None else directory)
+        if not root.is_dir():
+            raise InvalidArgument("directory", f"{root} is not a directory")
+        self._dir = private_staging_dir(root)  # ConfigError when not ours alone
+        self._fd = -1
         try:
-            os.ftruncate(fd, self.capacity)
+            remove_stale_areas(self._dir, name_prefix)
+            self._fd, self._name = _create_locked(self._dir, name_prefix)
+            self.path = self._dir.path / self._name
+            os.ftruncate(self._fd, self.capacity)
             # Reserve every page now: a full /dev/shm is an error here, not a SIGBUS in the
             # fetcher mid-load, and the first load does not pay for page allocation.
             try:
-                os.posix_fallocate(fd, 0, self.capacity)
+                os.posix_fallocate(self._fd, 0, self.capacity)
             except OSError as error:
                 raise InvalidArgument(
                     "capacity_bytes",
-                    f"{folder} has no room for {self.capacity} B of staging ({error.strerror})",
+                    f"{root} has no room for {self.capacity} B of staging ({error.strerror})",
                 ) from None
-            self._mmap: mmap.mmap | None = _map(fd, self.capacity)
+            self._mmap: mmap.mmap | None = _map(self._fd, self.capacity)
         except BaseException:
-            os.close(fd)
-            self.path.unlink(missing_ok=True)
+            self._unlink_and_close()
             raise
-        os.close(fd)
         self.buffer = np.frombuffer(self._mmap, dtype=np.uint8)
         self._lock = threading.Lock()
         # Free extents (offset, nbytes), sorted by offset, coalesced on free.
         self._free: list[tuple[int, int]] = [(0, self.capacity)]
         self._used: dict[int, int] = {}
+
+    def fileno(self) -> int:
+        """The area's open file (read-write, holding its lock): what the fetcher maps."""
+        if self._fd < 0:
+            raise InvalidArgument("area", f"staging area {self.path.name} is closed")
+        return self._fd
 
     @property
     def free_bytes(self) -> int:
@@ -314,7 +347,7 @@ class StagingArea:
 
     def close(self) -> None:
         """Unmap and remove the file. Idempotent."""
-        self.path.unlink(missing_ok=True)
+        self._unlink_and_close()
         if self._mmap is None:
             return
         mapping, self._mmap = self._mmap, None
@@ -325,6 +358,16 @@ class StagingArea:
             # A view (e.g. a tensor wrapping the buffer) is still alive; the mapping goes with it.
             pass
 
+    def _unlink_and_close(self) -> None:
+        if self._fd >= 0:
+            # Unlinked while still locked, so no remover ever sees our live file unlocked; and
+            # only if the name is still our file (it is in a directory only we can write).
+            if _names(self._dir, self._name, self._fd):
+                self._dir.remove(self._name)
+            fd, self._fd = self._fd, -1
+            os.close(fd)  # releases the lock unless the fetcher still holds the file
+        self._dir.close()
+
     def __enter__(self) -> StagingArea:
         return self
 
@@ -332,25 +375,95 @@ class StagingArea:
         self.close()
 
 
-def remove_stale_areas(directory: Path, name_prefix: str = "kvstore-staging") -> list[Path]:
+def default_staging_root() -> str:
+    """``/dev/shm`` (memory, never written back to a disk) where there is one, else the temp
+    directory (still a private file, only slower if it is on disk)."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def private_staging_dir(root: str | os.PathLike[str]) -> PrivateDir:
+    """This user's ``<root>/kvstore-<euid>``, created 0700, held open; refused (``ConfigError``)
+    when it is a symlink, someone else's, or writable by others: whoever could write to it
+    could have planted or swapped an area's file."""
+    where = Path(root) / f"kvstore-{os.geteuid()}"
+    return PrivateDir.open(where, "staging_dir", check_parent=False)
+
+
+def _create_locked(directory: PrivateDir, name_prefix: str) -> tuple[int, str]:
+    """A new area file in ``directory``, open read-write and locked: (fd, name)."""
+    for _ in range(_NAME_ATTEMPTS):
+        name = f"{name_prefix}-{_random_suffix()}"
+        try:
+            fd = directory.create_shared(name)
+        except FileExistsError:
+            continue  # whatever is there stays untouched: it may be another live area
+        try:
+            # Blocks only while a remover in another process holds it: between our create and
+            # this lock, the file was new and unlocked, so it may have just been unlinked.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _names(directory, name, fd):
+                return fd, name
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise InvalidArgument("directory", f"no free staging file name in {directory.path}")
+
+
+def _random_suffix() -> str:
+    return secrets.token_hex(8)
+
+
+def _names(directory: PrivateDir, name: str, fd: int) -> bool:
+    """Whether ``name`` in ``directory`` is (still) the file open as ``fd``."""
+    try:
+        entry = directory.lstat(name)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (entry.st_dev, entry.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def remove_stale_areas(
+    directory: PrivateDir | str | os.PathLike[str], name_prefix: str = "kvstore-staging"
+) -> list[Path]:
     """Remove staging files left by engine processes that died without closing them.
 
-    A file is named ``<prefix>-<pid>-<random>``; it is stale when no process ``pid`` exists.
-    (A reused pid keeps a stale file alive a while longer: the safe side.)
+    ``directory`` holds the areas (``private_staging_dir``'s). A file is stale when its lock
+    can be taken: every live area's is held by its creator (and the fetcher that inherited
+    it), in whatever PID namespace they run; a process's death releases it.
     """
+    held = (
+        directory
+        if isinstance(directory, PrivateDir)
+        else PrivateDir.open(directory, "staging_dir", check_parent=False)
+    )
     removed = []
-    for path in directory.glob(f"{name_prefix}-*-*"):
-        try:
-            pid = int(path.name[len(name_prefix) + 1 :].split("-", 1)[0])
-        except ValueError:
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            removed.append(path)
-        except PermissionError:
-            continue  # alive, someone else's
+    try:
+        for entry in held.entries():
+            if not entry.name.startswith(f"{name_prefix}-"):
+                continue
+            if not entry.is_file(follow_symlinks=False):
+                continue  # not something we make; opening a FIFO would block
+            try:
+                fd = held.open_read(entry.name)
+            except OSError:
+                continue  # gone meanwhile
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # alive
+                # Unlinked while we hold its lock: a creator that made it a moment ago and
+                # locks it after us sees the name gone and takes another.
+                if _names(held, entry.name, fd):
+                    held.remove(entry.name)
+                    removed.append(held.path / entry.name)
+            finally:
+                os.close(fd)
+    finally:
+        if held is not directory:
+            held.close()
     return removed
 
 
@@ -360,14 +473,14 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def map_staging_file(path: str | os.PathLike[str]) -> tuple[mmap.mmap, np.ndarray]:
-    """Map an existing staging file read-write (the fetcher process's side)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        size = os.fstat(fd).st_size
-        mapping = _map(fd, size)
-    finally:
-        os.close(fd)
+def map_staging_fd(fd: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Map the staging file open as ``fd`` read-write (the fetcher process's side: it inherits
+    the engine's descriptor and never opens the area by name). Refuses anything but a regular
+    file of this user (a wrong descriptor number, not an attack: the descriptor is ours)."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        raise InvalidArgument("fd", f"descriptor {fd} is not a staging file of this user")
+    mapping = _map(fd, info.st_size)
     return mapping, np.frombuffer(mapping, dtype=np.uint8)
 
 

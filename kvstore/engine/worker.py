@@ -97,7 +97,7 @@ class PagedWorker:
         *,
         groups: EngineGroups | None = None,
         staging_bytes: int,
-        staging_dir: str = "/dev/shm",
+        staging_dir: str | None = None,
         layer_timeout_s: float = 30.0,
         max_pending_save_bytes: int = 256 * 1024 * 1024,
     ) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvstore.engine.kvlayout import KVLayout
-from kvstore.engine.staging import FAILED, OK, PENDING, StageLayout, StagingArea, map_staging_file
+from kvstore.engine.staging import FAILED, OK, PENDING, StageLayout, StagingArea, map_staging_fd
 from kvstore.errors import InvalidArgument, StagingFull, StateRejected
 from kvstore.geometry import GeometryConfig
 from kvstore.ledger.layout import build_layout, swa_region_name
@@ -121,10 +121,10 @@ def test_header_words_belong_to_one_job(kv: KVLayout) -> None:
 
 def test_staging_area_is_a_shared_file_mapped_by_another_mapping() -> None:
     with StagingArea(1 << 20) as area:
-        assert str(area.path).startswith("/dev/shm/")
+        assert str(area.path).startswith(f"/dev/shm/kvstore-{os.geteuid()}/")
         region = area.allocate(10_000)
         area.view(region)[:4] = [1, 2, 3, 4]
-        mapping, other = map_staging_file(area.path)
+        mapping, other = map_staging_fd(area.fileno())  # as the fetcher maps it
         assert list(other[region.offset : region.offset + 4]) == [1, 2, 3, 4]
         other[region.offset + 4] = 9  # and back the other way
         assert area.view(region)[4] == 9
@@ -211,18 +211,10 @@ def test_directory_tier_query_hit_applies_the_hit_rule(tier, store) -> None:
 
 
 def test_files_of_dead_engines_are_removed(tmp_path) -> None:
-    import subprocess
-    import sys
-
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    stale = tmp_path / f"kvstore-staging-{int(dead.stdout)}-abc"
-    stale.write_bytes(b"x")
-    alive = tmp_path / f"kvstore-staging-{os.getpid()}-def"
-    alive.write_bytes(b"x")
-    with StagingArea(8192, tmp_path) as area:
-        assert not stale.exists() and alive.exists() and area.path.exists()
+    # Stale means unlocked: a file nobody holds (its owner died) goes, a locked one stays.
+    with StagingArea(8192, tmp_path) as first:
+        home = first.path.parent
+        stale = home / "kvstore-staging-left-by-a-dead-engine"
+        stale.write_bytes(b"x")
+        with StagingArea(8192, tmp_path) as area:
+            assert not stale.exists() and first.path.exists() and area.path.exists()

@@ -120,3 +120,13 @@ def tenants(ray_cluster, tmp_path_factory) -> Iterator[Tenants]:  # type: ignore
 def stub(tenants: Tenants) -> Iterator[pb_grpc.KVStoreStub]:
     with grpc.insecure_channel(tenants.address) as channel:
         yield pb_grpc.KVStoreStub(channel)
+
+
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    """The usual umask of a login shell: what made the dirs 0755 and the files 0644."""
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)

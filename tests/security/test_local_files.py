@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -48,16 +47,6 @@ def _modes(top: Path) -> dict[str, int]:
     for path in top.rglob("*"):
         found[str(path.relative_to(top))] = stat.S_IMODE(path.lstat().st_mode)
     return found
-
-
-@pytest.fixture
-def umask_022() -> Iterator[None]:
-    """The usual umask of a login shell: what made the dirs 0755 and the files 0644."""
-    old = os.umask(0o022)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 @pytest.fixture
