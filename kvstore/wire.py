@@ -26,14 +26,20 @@ Array data starts 8-aligned in the frame, so ``decode`` answers numpy views of t
 buffer (``np.frombuffer``, no copy; writable when the buffer is) that the C index probe can take
 as they are. ``encode`` answers the frame as a list of buffers (headers, then each array's own
 memory, uncopied) for a scatter-gather send. Decoding is bounded: every declared length and
-count must fit in what is left of the frame (so a frame cannot make it allocate more than its
-own size), nesting deeper than ``MAX_DEPTH`` is refused, and anything malformed is a
-``WireError``, never another exception.
+count must fit in what is left of the frame, a frame holds at most ``MAX_ITEMS`` items (checked
+from each count before the items are made), nesting deeper than ``MAX_DEPTH`` is refused, and
+anything malformed is a ``WireError``, never another exception. The item bound is what keeps a
+small frame from decoding to a large heap: every item is a Python object (or a slot holding
+one) of tens of bytes, so a frame of 8 MiB that declared 4 M two-byte keys decoded to 790 MiB
+(44x) before it; now a frame of any size makes at most ``MAX_ITEMS`` objects. ``encode``
+refuses a value over the same bound, so a sender never makes a frame its peer would refuse (the
+callers send such a batch through Ray, as one over the size limit).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import struct
 from collections.abc import Callable
@@ -46,6 +52,14 @@ import numpy as np
 MAX_FRAME_BYTES = 64 << 20
 #: Containers (list, tuple, dataclass) inside containers: the calls need 3.
 MAX_DEPTH = 8
+#: Items in one frame, all its lists, tuples, dataclass fields and block keys together. The
+#: largest call that travels is an SWA lookup of a gateway request's 65,536 keys (one per
+#: item) and its answer (a StoreRef or None each); the block store's key lists are arrays (one
+#: item). At ~100 bytes an object at the most, a frame decodes to ~25 MiB beyond its own bytes.
+MAX_ITEMS = 1 << 18
+#: Block keys are cut out of a frame this many at a time, by one cached ``struct`` each (a
+#: format for every count would keep one compiled format per count a peer sent).
+_KEY_RUN = 256
 _MAX_NDIM = 32
 _INT_MIN, _INT_MAX, _UINT_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
 
@@ -110,18 +124,20 @@ class _Out:
     the dataclass instances already sent (by identity: the value holds them while it is
     encoded), which travel again as a back-reference."""
 
-    __slots__ = ("parts", "head", "size", "sent")
+    __slots__ = ("parts", "head", "size", "sent", "items")
 
     def __init__(self) -> None:
         self.parts: list[Buffer] = []
         self.head = bytearray()
         self.size = 0  # bytes in ``parts``
         self.sent: dict[int, int] = {}
+        self.items = 0  # as ``decode`` counts them
 
 
-def encode(value: object, limit: int = MAX_FRAME_BYTES) -> list[Buffer]:
+def encode(value: object, limit: int = MAX_FRAME_BYTES, max_items: int = MAX_ITEMS) -> list[Buffer]:
     """``value`` as a frame, in parts (``b"".join`` them for one buffer). Raises ``TypeError``
-    for a value the format does not carry, ``WireError`` when the frame would pass ``limit``."""
+    for a value the format does not carry, ``WireError`` when the frame would pass ``limit`` or
+    hold more than ``max_items`` items (its peer would refuse it)."""
     out = _Out()
     try:
         _put(out, value, 0)
@@ -134,6 +150,8 @@ def encode(value: object, limit: int = MAX_FRAME_BYTES) -> list[Buffer]:
     size = out.size + len(out.head)
     if size > limit:
         raise WireError(f"a frame of {size} bytes is over the limit of {limit}")
+    if out.items > max_items:
+        raise WireError(f"a frame of {out.items} items is over the limit of {max_items}")
     return out.parts
 
 
@@ -178,6 +196,7 @@ def _put(out: _Out, value: Any, depth: int) -> None:
 
 def _put_sequence(out: _Out, value: list[Any] | tuple[Any, ...], depth: int) -> None:
     _check_depth(depth)
+    out.items += len(value)
     if type(value) is list and value and type(value[0]) is bytes:
         width = len(value[0])
         if width and set(map(type, value)) == {bytes} and set(map(len, value)) == {width}:
@@ -236,15 +255,35 @@ def _check_depth(depth: int) -> None:
 
 # --- decoding ---------------------------------------------------------------------------------
 
-Reader = Callable[[memoryview, int, int, list[Any]], tuple[Any, int]]
+
+class _In:
+    """What decoding a frame has made so far: the dataclasses (for back-references) and how
+    many more items it may make."""
+
+    __slots__ = ("refs", "left", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.refs: list[Any] = []
+        self.left = limit
+        self.limit = limit
+
+    def spend(self, count: int, at: int) -> None:
+        """Room for ``count`` more items, declared at byte ``at`` (before any is made)."""
+        self.left -= count
+        if self.left < 0:
+            raise WireError(f"more than {self.limit} items in one frame (at byte {at})")
 
 
-def decode(frame: Buffer) -> Any:
+Reader = Callable[[memoryview, int, int, _In], tuple[Any, int]]
+
+
+def decode(frame: Buffer, max_items: int = MAX_ITEMS) -> Any:
     """The value ``frame`` encodes. Arrays are views of ``frame`` (keep it unchanged while they
-    live). Raises ``WireError`` for anything but one whole, valid value."""
+    live). Raises ``WireError`` for anything but one whole, valid value, and for a frame of more
+    than ``max_items`` items (refused before they are made)."""
     view = memoryview(frame).cast("B")
     try:
-        value, at = _get(view, 0, 0, [])
+        value, at = _get(view, 0, 0, _In(max_items))
     except WireError:
         raise
     except (struct.error, IndexError, ValueError, TypeError) as error:
@@ -256,18 +295,18 @@ def decode(frame: Buffer) -> Any:
     return value
 
 
-def _get(view: memoryview, at: int, depth: int, done: list[Any]) -> tuple[Any, int]:
-    """The value at ``at`` and where it ends (``done``: the dataclasses decoded so far)."""
+def _get(view: memoryview, at: int, depth: int, made: _In) -> tuple[Any, int]:
+    """The value at ``at`` and where it ends (``made``: what the frame made so far)."""
     tag = view[at]
     if tag == _NONE:  # the common kinds first: this runs once per value
         return None, at + 1
     if tag == _BACK:
         (index,) = _U32.unpack_from(view, at + 1)
-        return done[index], at + 5
+        return made.refs[index], at + 5
     reader = _READERS.get(tag)
     if reader is None:
         raise WireError(f"unknown tag {tag:#04x} at byte {at}")
-    return reader(view, at + 1, depth, done)
+    return reader(view, at + 1, depth, made)
 
 
 def _span(view: memoryview, at: int, size: int) -> int:
@@ -278,55 +317,70 @@ def _span(view: memoryview, at: int, size: int) -> int:
     return end
 
 
-def _get_bytes(view: memoryview, at: int, depth: int, done: list[Any]) -> tuple[bytes, int]:
+def _get_bytes(view: memoryview, at: int, depth: int, made: _In) -> tuple[bytes, int]:
     (size,) = _U32.unpack_from(view, at)
     end = _span(view, at + 4, size)
     return bytes(view[at + 4 : end]), end
 
 
-def _get_str(view: memoryview, at: int, depth: int, done: list[Any]) -> tuple[str, int]:
-    data, end = _get_bytes(view, at, depth, done)
+def _get_str(view: memoryview, at: int, depth: int, made: _In) -> tuple[str, int]:
+    data, end = _get_bytes(view, at, depth, made)
     return data.decode(), end
 
 
-def _get_items(view: memoryview, at: int, depth: int, done: list[Any]) -> tuple[list[Any], int]:
+def _get_items(view: memoryview, at: int, depth: int, made: _In) -> tuple[list[Any], int]:
     if depth >= MAX_DEPTH:
         raise WireError(f"nested deeper than {MAX_DEPTH}")
     (count,) = _U32.unpack_from(view, at)
+    made.spend(count, at)
     at += 4
     _span(view, at, count)  # a value takes a byte at the least: no count beyond the frame
     items: list[Any] = []
-    add, index_at = items.append, _U32.unpack_from
+    add, index_at, refs = items.append, _U32.unpack_from, made.refs
     for _ in range(count):  # misses and repeated StoreRefs inline: most of a directory's answer
         tag = view[at]
         if tag == _BACK:
-            add(done[index_at(view, at + 1)[0]])
+            add(refs[index_at(view, at + 1)[0]])
             at += 5
         elif tag == _NONE:
             add(None)
             at += 1
         else:
-            item, at = _get(view, at, depth + 1, done)
+            item, at = _get(view, at, depth + 1, made)
             add(item)
     return items, at
 
 
-def _get_tuple(view: memoryview, at: int, depth: int, done: list[Any]) -> tuple[Any, int]:
-    items, at = _get_items(view, at, depth, done)
+def _get_tuple(view: memoryview, at: int, depth: int, made: _In) -> tuple[Any, int]:
+    items, at = _get_items(view, at, depth, made)
     return tuple(items), at
 
 
-def _get_keys(view: memoryview, at: int, depth: int, done: list[Any]) -> tuple[list[bytes], int]:
+def _get_keys(view: memoryview, at: int, depth: int, made: _In) -> tuple[list[bytes], int]:
     count, width = struct.unpack_from("<II", view, at)
     if width == 0:
         raise WireError("a key list of width 0")  # would cost memory the frame did not bring
+    made.spend(count, at)
     start = at + 8
     end = _span(view, start, count * width)
-    # One C call makes every key (struct caches the format): 5x faster than slicing in a loop.
-    return list(struct.unpack_from(f"{width}s" * count, view, start)), end
+    # One C call makes a run of keys: 5x faster than slicing them out one by one.
+    runs, rest = divmod(count, _KEY_RUN)
+    run, step = _key_run(width, _KEY_RUN), width * _KEY_RUN
+    keys: list[bytes] = []
+    for offset in range(start, start + runs * step, step):
+        keys += run.unpack_from(view, offset)
+    if rest:
+        keys += _key_run(width, rest).unpack_from(view, start + runs * step)
+    return keys, end
 
 
-def _get_array(view: memoryview, at: int, depth: int, done: list[Any]) -> tuple[Any, int]:
+@functools.lru_cache(maxsize=16)
+def _key_run(width: int, count: int) -> struct.Struct:
+    """The format of ``count`` keys of ``width`` bytes (a few kept: one key width travels)."""
+    return struct.Struct(f"{width}s" * count)
+
+
+def _get_array(view: memoryview, at: int, depth: int, made: _In) -> tuple[Any, int]:
     code, ndim = view[at], view[at + 1]
     dtype = _DTYPES.get(code)
     if dtype is None or ndim > _MAX_NDIM:
@@ -342,26 +396,26 @@ def _get_array(view: memoryview, at: int, depth: int, done: list[Any]) -> tuple[
     return (array if ndim == 1 else array.reshape(shape)), end
 
 
-def _get_dataclass(view: memoryview, at: int, depth: int, done: list[Any]) -> tuple[Any, int]:
+def _get_dataclass(view: memoryview, at: int, depth: int, made: _In) -> tuple[Any, int]:
     end = _span(view, at + 1, view[at])
     name = str(view[at + 1 : end], "utf-8")
     cls = _BY_NAME.get(name)
     if cls is None:
         raise WireError(f"{name!r} is not a registered wire type")
-    fields, at = _get(view, end, depth, done)
+    fields, at = _get(view, end, depth, made)
     if type(fields) is not tuple or len(fields) != len(_BY_TYPE[cls][1]):
         raise WireError(f"{name} takes a tuple of {len(_BY_TYPE[cls][1])} fields")
     value = cls(*fields)
-    done.append(value)
+    made.refs.append(value)
     return value, at
 
 
 def _constant(value: object) -> Reader:
-    return lambda view, at, depth, done: (value, at)
+    return lambda view, at, depth, made: (value, at)
 
 
 def _scalar(shape: struct.Struct) -> Reader:
-    return lambda view, at, depth, done: (shape.unpack_from(view, at)[0], at + shape.size)
+    return lambda view, at, depth, made: (shape.unpack_from(view, at)[0], at + shape.size)
 
 
 _NONE, _BACK = ord("N"), ord("R")

@@ -18,6 +18,7 @@ The map, one module per job (this ``__init__`` imports none of them):
 - ``handshake``: the mutual HMAC challenge on the actor's key, both sides of it;
 - ``tls``: the TLS setting (``TLSConfig``, read through ``kvstore.envconfig``), its contexts
   and the bounded TLS handshake;
+- ``admission``: the handshake slots of a server, shared fairly by source address;
 - ``budget``: the in-flight byte budget of a server;
 - ``server``: ``FastCallServer``, serving an object's methods;
 - ``client``: ``connect`` and ``FastChannel``, calling them.

@@ -14,9 +14,11 @@ dialed (the one the actor handed out) binds it to that address: an impostor on a
 restarted actor freed cannot relay the handshake to the actor's new port.
 
 Before the peer is authenticated, each frame must be a handshake message's exact size, and the
-whole challenge must end within ``HANDSHAKE_TIMEOUT_S`` (both sides), so a dead or wedged actor
-makes a call fail instead of hang. ``challenge`` is the server's half, ``answer`` the client's;
-the sockets (and TLS around them) are the server's and the client's to set up.
+whole challenge must end within ``HANDSHAKE_TIMEOUT_S`` on the client's side, so a dead or wedged
+actor makes a call fail instead of hang; the server gives a peer less
+(``server.UNAUTHENTICATED_S``), so one that only holds a connection open soon gives its slot back.
+``challenge`` is the server's half, ``answer`` the client's; the sockets (and TLS around them) are
+the server's and the client's to set up.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from kvstore.fastcall.frames import FastConnection
 #: (host, port, authkey) of a serving actor.
 Endpoint = tuple[str, int, bytes]
 
-#: A peer must finish the key handshake within this long (both sides), so a dead or wedged
+#: A client must finish the key handshake (its dial) within this long, so a dead or wedged
 #: actor makes a call fail instead of hang.
 HANDSHAKE_TIMEOUT_S = 2.0
 MAGIC = b"kvstore.fastcall.v2"

@@ -7,9 +7,11 @@ calls never run in it at once).
 
 What makes it safe to listen:
 
-- **Bounded handshakes**: at most ``MAX_HANDSHAKES`` peers are being authenticated at once (one
-  thread each; more are closed at once: the caller goes through Ray), each within
-  ``HANDSHAKE_TIMEOUT_S`` from its accept, however slowly it sends.
+- **Bounded handshakes, shared by source**: at most ``MAX_HANDSHAKES`` peers are being
+  authenticated at once (one thread each), no more than ``MAX_HANDSHAKES_PER_SOURCE`` of them
+  from one address (``admission``), so a flood from one source cannot take every slot; more are
+  closed at once (the caller goes through Ray). Each must prove the key within
+  ``UNAUTHENTICATED_S`` from its accept, however slowly it sends.
 - **Bounded request bytes**: at most ``max_inflight_bytes`` of requests held at once, and a
   stalled peer gives its bytes back (``budget``).
 - **No code from the wire**: a call names a method of ``methods`` and its ``kvstore.wire``
@@ -31,17 +33,23 @@ from typing import Any
 
 from kvstore import wire
 from kvstore.fastcall import handshake
+from kvstore.fastcall.admission import HandshakeSlots
 from kvstore.fastcall.budget import BUDGET_WAIT_S, INFLIGHT_BYTES, Budget
 from kvstore.fastcall.frames import IO_TIMEOUT_S, FastConnection, FrameTooLarge, call_of
-from kvstore.fastcall.handshake import HANDSHAKE_TIMEOUT_S, Endpoint
+from kvstore.fastcall.handshake import Endpoint
 from kvstore.fastcall.tls import ServerTLS, tls_handshake
 from kvstore.wire import MAX_FRAME_BYTES, Buffer, WireError
 
 log = logging.getLogger(__name__)
 
-#: Peers being authenticated at once (a thread each); more are turned away until one is done.
-MAX_HANDSHAKES = 16
-_BACKLOG = 128
+#: How long an unauthenticated peer may hold its slot (the server's half of the challenge, TLS
+#: included): an honest client answers within a round trip or two, so this is short, and a
+#: connection that only sits there gives its slot back soon. Under the clients' own bound
+#: (``handshake.HANDSHAKE_TIMEOUT_S``) so that a dial the server gave up on fails, not hangs.
+UNAUTHENTICATED_S = 1.0
+#: Connections the kernel queues before the accept loop takes them: room for a burst (a flood's
+#: connections are taken and closed at once, so honest ones do not wait behind a full queue).
+_BACKLOG = 1024
 
 
 class FastCallServer:
@@ -83,7 +91,7 @@ class FastCallServer:
         address = self._socket.getsockname()
         self.endpoint: Endpoint = (str(address[0]), int(address[1]), self._authkey)
         self._closed = False
-        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._handshakes = HandshakeSlots()
         # A Ray worker is a child of its node's raylet. Once the raylet is gone (the machine was
         # removed or declared dead) Ray routes no call here any more, but this process may
         # linger a while; its socket must not keep answering for a dead actor.
@@ -92,12 +100,14 @@ class FastCallServer:
 
     def stats(self) -> dict[str, Any]:
         """Calls served per method, requests refused ``busy``, request bytes held now and at
-        the most so far."""
+        the most so far, peers in the handshake now and turned away (no slot) so far."""
         budget = self._budget
         with self._counting:
             served = dict(self._served)
         return {
             "served": served,
+            "handshakes": self._handshakes.held(),
+            "turned_away": self._handshakes.turned_away,
             "refused_busy": budget.refused,
             "inflight_bytes": budget.held,
             "inflight_peak": budget.peak,
@@ -115,22 +125,23 @@ class FastCallServer:
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                peer, _ = self._socket.accept()
+                peer, address = self._socket.accept()
             except OSError:
                 if self._closed:
                     return
                 time.sleep(0.01)  # out of descriptors or the like: try again, do not spin
                 continue
-            if not self._handshakes.acquire(blocking=False):
+            source = str(address[0])
+            if not self._handshakes.take(source):
                 peer.close()  # unauthenticated peers cost a thread each: no more than this
                 continue
-            threading.Thread(target=self._serve, args=(peer,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(peer, source), daemon=True).start()
 
-    def _serve(self, peer: socket.socket) -> None:
+    def _serve(self, peer: socket.socket, source: str) -> None:
         try:
             conn = self._handshake(peer)
         finally:
-            self._handshakes.release()
+            self._handshakes.give(source)
         if conn is None:
             return
         with conn:
@@ -193,7 +204,7 @@ class FastCallServer:
 
     def _handshake(self, peer: socket.socket) -> FastConnection | None:
         """The peer, authenticated (None when it failed the challenge or took too long)."""
-        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        deadline = time.monotonic() + UNAUTHENTICATED_S
         sock = peer
         try:
             peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

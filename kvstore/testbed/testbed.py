@@ -9,8 +9,9 @@ Hosts: ``head`` (Ray's GCS, kvstore's control plane and its gRPC gateway, no sto
 there are fewer hosts than nodes, and places a stripe's shards at most ceil(12 / N) to a host),
 and ``client`` (a Ray node with no storage: where engines, benchmarks and replays run).
 
-Everything a testbed makes is under one run directory (``/tmp/kvstore-testbed/<name>``: the Ray
-token, Ray's temp dir, the gateway's TLS certificate and bearer token, logs) and one set of
+Everything a testbed makes is under one run directory (``/tmp/<name>-<random>``, fresh and
+private: ``rundir``; the Ray token, Ray's temp dir, the gateway's TLS certificate and bearer
+token, logs) and one set of
 network namespaces (``<name>-<host>``); ``testbed.json`` there lets another process attach to it
 (``Testbed.attach``) or take it down (``down``). Teardown kills every process on every host,
 deletes the namespaces and the run directory, and checks that nothing is left (``leftovers``):
@@ -39,9 +40,11 @@ from kvstore.runtime.cluster import LocalClusterConfig
 from kvstore.runtime.upprocess import TierProcess
 from kvstore.testbed.netns import NAME_PREFIX, Network, require_tools
 from kvstore.testbed.raycluster import HostCluster
+from kvstore.testbed.rundir import check_private, is_ours, make_run_dir
 
-#: Where testbeds keep their run directories (short: Ray's socket paths must fit 107 bytes).
-RUN_ROOT = Path("/tmp/kvstore-testbed")
+#: Where testbeds make their run directories (short: Ray's socket paths must fit 107 bytes).
+#: /tmp itself: sticky, so no other user can replace a run directory made there.
+RUN_ROOT = Path("/tmp")
 STATE_FILE = "testbed.json"
 HEAD, CLIENT = "head", "client"
 GATEWAY_PORT = 50051
@@ -141,11 +144,11 @@ class Testbed:
         require_tools()
         name = config.name or f"{NAME_PREFIX}{secrets.token_hex(3)}"
         config = TestbedConfig(**{**asdict(config), "name": name})
-        run_dir = Path(config.run_root) / name
         say = progress or (lambda message: None)
         network: Network | None = None
+        run_dir: Path | None = None
         try:
-            run_dir.mkdir(mode=0o700, parents=True, exist_ok=False)
+            run_dir = make_run_dir(Path(config.run_root), name)
             token = run_dir / "ray_token"
             create_private_file(token, secrets.token_hex(32).encode(), "ray token")
             say(f"network: {len(config.hosts())} hosts on a bridge")
@@ -168,7 +171,8 @@ class Testbed:
         except BaseException:
             if network is not None:
                 network.destroy()
-            shutil.rmtree(run_dir, ignore_errors=True)
+            if run_dir is not None:
+                shutil.rmtree(run_dir, ignore_errors=True)
             raise
 
     @classmethod
@@ -242,8 +246,10 @@ class Testbed:
         share this machine's cores: ``kvstore up`` would size them to the 2 CPUs each host's
         Ray node advertises). ``flags`` go last (they win). Stopped by ``down``."""
         head = self.network.address(HEAD)
+        check_private(self.run_dir)  # still the one ``up`` made: nothing put in its place
         secrets_dir = self.run_dir / "gateway"
         secrets_dir.mkdir(mode=0o700, exist_ok=True)
+        check_private(secrets_dir)
         token = secrets_dir / "token"
         if not token.exists():
             create_private_file(token, secrets.token_hex(24).encode(), "gateway token")
@@ -297,10 +303,12 @@ def _self_signed(cert: Path, key: Path, address: str) -> None:
 
 
 def testbeds(run_root: Path = RUN_ROOT) -> list[Path]:
-    """Run directories of the testbeds on this machine."""
+    """Run directories of this user's testbeds on this machine (one another user made is not
+    taken for one)."""
     if not run_root.is_dir():
         return []
-    return sorted(path.parent for path in run_root.glob(f"*/{STATE_FILE}"))
+    found = (path.parent for path in run_root.glob(f"{NAME_PREFIX}*/{STATE_FILE}"))
+    return sorted(path for path in found if is_ours(path))
 
 
 def down_all(run_root: Path = RUN_ROOT) -> list[str]:

@@ -18,10 +18,11 @@ import pytest
 from certs import self_signed
 
 from kvstore.fastcall import server as fastcall_server
+from kvstore.fastcall.admission import MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE
 from kvstore.fastcall.client import FastChannel, connect
 from kvstore.fastcall.frames import RemoteError, wait_ready
 from kvstore.fastcall.handshake import HANDSHAKE_TIMEOUT_S
-from kvstore.fastcall.server import MAX_HANDSHAKES, FastCallServer
+from kvstore.fastcall.server import FastCallServer
 from kvstore.fastcall.tls import ClientTLS, ServerTLS
 
 
@@ -295,7 +296,7 @@ def test_a_key_holding_peer_answering_a_pickle_runs_nothing_in_the_caller(tmp_pa
 
 def test_the_handshake_ends_in_time_however_slowly_a_peer_sends(served, monkeypatch) -> None:
     server, _ = served
-    monkeypatch.setattr(fastcall_server, "HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(fastcall_server, "UNAUTHENTICATED_S", 0.5)
     with socket.create_connection(server.endpoint[:2]) as sock:
         started = time.monotonic()
         sock.recv(4096)  # the challenge
@@ -313,16 +314,41 @@ def test_the_handshake_ends_in_time_however_slowly_a_peer_sends(served, monkeypa
         assert closed and time.monotonic() - started < 1.5
 
 
-def test_peers_beyond_the_handshake_limit_are_turned_away_at_once(served) -> None:
+def silent_peers(host: str, port: int, sources: list[str]) -> list[socket.socket]:
+    """A connection from each of ``sources`` that got its challenge and says nothing."""
+    peers = []
+    for source in sources:
+        sock = socket.socket()
+        sock.bind((source, 0))
+        sock.connect((host, port))
+        peers.append(sock)
+    for sock in peers:
+        sock.recv(4096)  # each is being handshaken: it got its challenge
+    return peers
+
+
+@pytest.mark.parametrize("limit", ["per source", "in all"])
+def test_peers_beyond_the_handshake_limit_are_turned_away_at_once(served, limit: str) -> None:
     server, _ = served
-    silent = [socket.create_connection(server.endpoint[:2]) for _ in range(MAX_HANDSHAKES)]
+    host, port, _ = server.endpoint
+    if limit == "per source":  # one address's share: others may still dial
+        silent = silent_peers(host, port, ["127.0.0.1"] * MAX_HANDSHAKES_PER_SOURCE)
+    else:  # every slot, from as many addresses as it takes
+        share = MAX_HANDSHAKES_PER_SOURCE
+        silent = silent_peers(
+            host, port, [f"127.0.1.{i // share + 1}" for i in range(MAX_HANDSHAKES)]
+        )
     try:
-        for sock in silent:
-            sock.recv(4096)  # each is being handshaken: it got its challenge
         started = time.monotonic()
         with pytest.raises(ConnectionError, match="turned the connection away"):
             connect(server.endpoint)
         assert time.monotonic() - started < HANDSHAKE_TIMEOUT_S / 2  # not after a timeout
+        if limit == "per source":
+            from_elsewhere = socket.socket()
+            from_elsewhere.bind(("127.0.0.3", 0))
+            from_elsewhere.connect((host, port))
+            with from_elsewhere:
+                assert from_elsewhere.recv(4096)  # its challenge: a slot of its own
     finally:
         for sock in silent:
             sock.close()  # their handshakes end at once: room again

@@ -17,6 +17,7 @@ import pytest
 
 from kvstore import wire
 from kvstore.fastcall import frames, handshake
+from kvstore.fastcall.admission import HandshakeSlots
 from kvstore.fastcall.budget import Budget
 from kvstore.fastcall.frames import FastConnection, call_of, reply_of
 from kvstore.fastcall.handshake import MAGIC, Endpoint, answer, challenge, proof
@@ -158,6 +159,25 @@ def test_the_budget_holds_at_most_its_limit_and_says_why_it_refused() -> None:
     assert (budget.held, budget.peak, budget.refused) == (90, 100, 2)
     with pytest.raises(ValueError, match="must be positive"):
         Budget(0)
+
+
+# --- the handshake slots ----------------------------------------------------------------------
+
+
+def test_one_source_holds_only_its_share_of_the_handshake_slots() -> None:
+    slots = HandshakeSlots(limit=4, per_source=2)
+    assert slots.take("10.0.0.9") and slots.take("10.0.0.9")
+    assert not slots.take("10.0.0.9")  # its share is spent: others still find room
+    assert slots.take("10.0.0.1") and slots.take("10.0.0.2")
+    assert not slots.take("10.0.0.3")  # every slot taken
+    slots.give("10.0.0.9")
+    assert slots.take("10.0.0.3") and not slots.take("10.0.0.3")
+    assert (slots.held(), slots.turned_away) == (4, 3)
+    for source in ("10.0.0.9", "10.0.0.1", "10.0.0.2", "10.0.0.3"):
+        slots.give(source)
+    assert slots.held() == 0 and not slots._held  # nothing kept per address once it is gone
+    with pytest.raises(ValueError, match="per_source"):
+        HandshakeSlots(limit=2, per_source=3)
 
 
 # --- the package ------------------------------------------------------------------------------
