@@ -22,6 +22,7 @@ import functools
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,11 +33,11 @@ import numpy as np
 
 from kvstore.api.auth import Authenticator
 from kvstore.api.budget import MIB, BudgetLimits, ByteBudget
-from kvstore.api.metrics import ApiMetrics
+from kvstore.api.metrics import ApiMetrics, CachedStats
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import ConfigError, InvalidArgument, KVStoreError, Overloaded, grpc_status_name
-from kvstore.keys import KEY_BYTES, BlockKey, key_words
+from kvstore.keys import BLOCK_TOKENS, KEY_BYTES, BlockKey, key_words
 from kvstore.tenants import RateLimiter, Tenant
 from kvstore.tier.records import MAX_CLASS_CHARS, HitRequest, Layout
 from kvstore.tier.tenancy import TenantView, TenantViews
@@ -143,6 +144,18 @@ class GatewayLimits:
     stream_window_bytes: int = 4 * MIB
     #: A GetBlocks whose reader takes no message for this long is ended (DEADLINE_EXCEEDED).
     stall_s: float = 20.0
+    #: A PutBlocks stream that sends no message for this long (its first one included) is
+    #: ended (DEADLINE_EXCEEDED): an idle stream holds a slot and bytes others need.
+    message_wait_s: float = 5.0
+    #: Requests and streams one tenant may have in flight at once: its share of the gateway's
+    #: ``max_in_flight``, so no tenant takes every slot.
+    tenant_in_flight: int = 64
+    #: How old the figures GetStats answers with may be (per tenant).
+    stats_max_age_s: float = 1.0
+    #: The largest message the server takes (the server sets it from
+    #: ``ServerOptions.max_message_bytes``): what a PutBlocks stream reserves before it reads
+    #: its next message.
+    message_bytes: int = 16 * MIB
     #: No call runs longer than this on the server (DEADLINE_EXCEEDED).
     rpc_deadline_s: float = 120.0
     max_streams_per_connection: int = 64
@@ -156,19 +169,32 @@ class GatewayLimits:
             "max_put_bytes",
             "get_batch_bytes",
             "max_streams_per_connection",
+            "tenant_in_flight",
+            "message_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be ≥ 1, got {getattr(self, name)}")
-        for name in ("stall_s", "rpc_deadline_s", "connection_idle_s", "connection_age_s"):
+        for name in (
+            "stall_s",
+            "message_wait_s",
+            "rpc_deadline_s",
+            "connection_idle_s",
+            "connection_age_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         smallest = min(self.budget.connection_bytes, self.budget.tenant_bytes)
-        for name in ("max_put_bytes", "get_batch_bytes"):
-            if getattr(self, name) + self.stream_window_bytes > smallest:
+        # What one stream holds at most: a put's payloads and the next message read into
+        # room reserved for it; a read's batch and what the transport buffers beyond it.
+        for name, beyond, what in (
+            ("max_put_bytes", self.message_bytes, "message"),
+            ("get_batch_bytes", self.stream_window_bytes, "stream window"),
+        ):
+            if getattr(self, name) + beyond > smallest:
                 raise ConfigError(
                     name,
-                    f"{getattr(self, name)} bytes (plus a {self.stream_window_bytes}-byte stream "
-                    f"window) could never fit the {smallest}-byte budget of a connection",
+                    f"{getattr(self, name)} bytes (plus a {beyond}-byte {what}) could never "
+                    f"fit the {smallest}-byte budget of a connection",
                 )
 
 
@@ -203,6 +229,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._budget = ByteBudget(self._limits.budget)
         self._rates = RateLimiter()
         self._in_flight = 0
+        self._tenant_in_flight: Counter[str] = Counter()
+        self._stats: dict[str, CachedStats] = {}
         self._metrics = metrics
 
     # --- plumbing ------------------------------------------------------------------------
@@ -219,13 +247,20 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 )
             if self._in_flight >= self._max_in_flight:
                 raise Overloaded(f"{self._max_in_flight} requests in flight")
+            share = self._limits.tenant_in_flight
+            if self._tenant_in_flight[tenant.name] >= share:
+                raise Overloaded(
+                    f"tenant {tenant.name!r} has {share} requests in flight (its share)"
+                )
         except KVStoreError as error:
             await self._abort(context, method, error)
         self._in_flight += 1
+        self._tenant_in_flight[tenant.name] += 1
         return _Call(method, tenant, self._views.view(tenant), context.peer() or "")
 
     def _leave(self, call: _Call) -> None:
         self._in_flight -= 1
+        self._tenant_in_flight[call.tenant.name] -= 1
         if self._metrics is not None:
             self._metrics.observe(call.method, time.perf_counter() - call.started)
 
@@ -355,6 +390,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             keys = _packed_key_words(request.block_keys_packed, "block_keys_packed")
         elif not tokens:
             keys = _key_words(request.block_keys, "block_keys")
+        # One cap on the prompt whichever form it takes (keys stand for whole blocks).
+        most = self._limits.max_tokens
+        if keys is not None and keys.shape[0] * BLOCK_TOKENS > most:
+            raise InvalidArgument(
+                given[0] if given else "block_keys",
+                f"at most {most // BLOCK_TOKENS} keys (a {most}-token prompt), got {keys.shape[0]}",
+            )
+        if request.prompt_len > most:
+            raise InvalidArgument("prompt_len", f"at most {most} tokens, got {request.prompt_len}")
         return HitRequest(
             # (Slicing or copying the repeated field would go element by element: ~50 ms for 1M.)
             token_ids=request.token_ids if tokens else None,
@@ -368,17 +412,29 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def PutBlocks(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
         call = await self._enter("PutBlocks", context)
-        held = 0
+        held = 0  # bytes this stream has reserved: payloads read, and room for the next message
         try:
             keys: list[BlockKey] = []
             payloads: list[bytes] = []
-            first: Any = None
+            started = False
+            traffic_class, shared = "", False
             layout: Layout | None = None
-            size = 0
+            size = received = 0
             limit = self._limits.max_put_bytes
-            async for message in request_iterator:
-                if first is None:
-                    first = message
+            messages = aiter(request_iterator)
+            while True:
+                # Room for the next message is reserved before it is read: a stream's bytes are
+                # admitted before they arrive (until then the transport holds only its window),
+                # so many fat streams wait here instead of filling the gateway's memory.
+                ahead = self._limits.message_bytes
+                await self._reserve(call, context, ahead)
+                held += ahead
+                message = await self._next_message(call, context, messages)
+                if message is None:
+                    break
+                if not started:
+                    started = True
+                    traffic_class, shared = str(message.traffic_class), bool(message.shared)
                     await self._validate(
                         context,
                         "PutBlocks",
@@ -421,7 +477,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                             "blocks", f"at most {MAX_KEYS_PER_REQUEST} blocks per stream"
                         ),
                     )
-                if held + incoming > limit:
+                if received + incoming > limit:
                     await self._abort(
                         context,
                         "PutBlocks",
@@ -430,16 +486,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                             "split the put"
                         ),
                     )
-                # Hold no more than the budget allows: until it does, the stream is not read
-                # further (the client's sends wait on HTTP/2 flow control).
-                await self._reserve(call, context, incoming)
-                held += incoming
+                received += incoming
+                del message  # its payloads are copied out: hold them once, not twice
+                # The message fit its room (the server refuses larger ones); what it did not
+                # fill goes back.
+                unused = max(0, ahead - incoming)
+                self._budget.release(unused, call.tenant.name, call.peer)
+                held -= unused
             if not keys:
                 await self._abort(
                     context, "PutBlocks", InvalidArgument("blocks", "no blocks given")
                 )
-            traffic_class = first.traffic_class if first is not None else ""
-            shared = bool(first.shared) if first is not None else False
             view = call.view
             answer = await self._run(
                 call,
@@ -457,6 +514,22 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         finally:
             self._budget.release(held, call.tenant.name, call.peer)
             self._leave(call)
+
+    async def _next_message(self, call: _Call, context: Any, messages: AsyncIterator[Any]) -> Any:
+        """The stream's next message (None: it ended); a stream that sends nothing for
+        ``message_wait_s`` is ended, so an idle one gives back its slot and bytes in seconds."""
+        wait = self._limits.message_wait_s
+        try:
+            return await asyncio.wait_for(anext(messages), wait)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            await self._abort_with(
+                context,
+                call.method,
+                "DEADLINE_EXCEEDED",
+                f"{call.method}: the stream sent no message for {wait:g} s",
+            )
 
     async def GetBlocks(self, request: Any, context: Any) -> None:
         """Written with ``context.write`` (not yield) so a reader that stops taking messages is
@@ -598,10 +671,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         finally:
             self._leave(call)
 
+    def _stats_of(self, call: _Call) -> CachedStats:
+        """The caller's figures, asked of the tier at most once per ``stats_max_age_s`` per
+        tenant: a tenant polling GetStats cannot make the gateway fan out to the cluster."""
+        cached = self._stats.get(call.tenant.name)
+        if cached is None:
+            cached = CachedStats(call.view.stats, self._limits.stats_max_age_s)
+            self._stats[call.tenant.name] = cached
+        return cached
+
     async def GetStats(self, request: Any, context: Any) -> Any:
         call = await self._enter("GetStats", context)
         try:
-            stats = await self._run(call, context, call.view.stats)
+            stats = await self._run(call, context, self._stats_of(call))
         finally:
             self._leave(call)
         classes = []

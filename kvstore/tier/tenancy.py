@@ -21,10 +21,11 @@ before the tier is asked anything.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,7 @@ class TenantView:
         self._lock = threading.Lock()
         self._usage: tuple[float, int] | None = None  # (when, bytes stored in its classes)
         self._put_since_usage = 0
+        self._reserved = 0  # bytes of puts running now (``_bytes_reserved``)
 
     @property
     def async_capable(self) -> bool:
@@ -294,12 +296,11 @@ class TenantView:
         if len(set(checked)) != len(checked):
             raise InvalidArgument("keys", "a key is given twice in one put")
         salt = self._salt_to_write(shared, chosen)
-        incoming = size * len(checked)
-        self._check_bytes_quota(incoming)
         stored = words_to_keys(namespaced(salt, key_words(checked))) if checked else []
-        answer = self._tier.put_blocks(stored, payloads, name)
-        with self._lock:
-            self._put_since_usage += size * answer.stored
+        with self._bytes_reserved(size * len(checked)):
+            answer = self._tier.put_blocks(stored, payloads, name)
+            with self._lock:
+                self._put_since_usage += size * answer.stored
         back = dict(zip(stored, checked, strict=True))
         return PutAnswer(
             stored=answer.stored,
@@ -409,32 +410,51 @@ class TenantView:
             raise Forbidden(f"tenant {tenant.name!r} may not write the shared namespace")
         return shared_salt
 
-    def _check_bytes_quota(self, incoming: int) -> None:
+    @contextlib.contextmanager
+    def _bytes_reserved(self, incoming: int) -> Iterator[None]:
+        """Hold ``incoming`` bytes of the tenant's quota while a put runs: checked and taken in
+        one step under the view's lock, so concurrent puts can never pass the quota together
+        (each sees the others' reservations); given back when the put is done (what it stored
+        is counted by then)."""
         tenant = self.tenant
         if tenant.max_bytes is None:
+            yield
             return
-        used = self._stored_bytes()
-        if used + incoming > tenant.max_bytes:
-            raise Overloaded(
-                f"tenant {tenant.name!r} stores {used} of its {tenant.max_bytes} bytes: "
-                f"{incoming} more do not fit (GC frees its oldest blocks as they expire)"
-            )
-
-    def _stored_bytes(self) -> int:
-        """Bytes stored in the tenant's classes: the tier's figure (at most a second old) plus
-        what this view wrote since it was taken."""
-        now = time.monotonic()
-        usage = self._usage
-        if usage is None or now - usage[0] > _USAGE_MAX_AGE_S:
-            classes = self._tier.stats().classes
-            total = sum(
-                int(classes.get(name, {}).get("stored_bytes", 0))
-                for name in self.tenant.classes or ()
-            )
+        self._refresh_usage()
+        with self._lock:
+            assert self._usage is not None
+            used = self._usage[1] + self._put_since_usage + self._reserved
+            if used + incoming > tenant.max_bytes:
+                raise Overloaded(
+                    f"tenant {tenant.name!r} stores or is writing {used} of its "
+                    f"{tenant.max_bytes} bytes: {incoming} more do not fit (GC frees its oldest "
+                    "blocks as they expire)"
+                )
+            self._reserved += incoming
+        try:
+            yield
+        finally:
             with self._lock:
-                self._usage, self._put_since_usage = (now, total), 0
-            usage = (now, total)
-        return usage[1] + self._put_since_usage
+                self._reserved -= incoming
+
+    def _refresh_usage(self) -> None:
+        """Bytes stored in the tenant's classes, from the tier's figure when this one is over a
+        second old; what this view wrote since the figure was asked for is counted beside it
+        (``_put_since_usage``), whatever the figure already holds of it (over, never under)."""
+        usage = self._usage
+        now = time.monotonic()
+        if usage is not None and now - usage[0] <= _USAGE_MAX_AGE_S:
+            return
+        with self._lock:
+            written_before = self._put_since_usage
+        classes = self._tier.stats().classes
+        total = sum(
+            int(classes.get(name, {}).get("stored_bytes", 0)) for name in self.tenant.classes or ()
+        )
+        with self._lock:
+            self._usage = (now, total)
+            # Puts that finished while the figure was asked for may be missing from it.
+            self._put_since_usage -= written_before
 
 
 class TenantViews:

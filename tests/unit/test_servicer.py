@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -403,16 +404,15 @@ def test_tier_errors_map_to_status_codes_and_the_server_keeps_serving(
 def test_a_full_gateway_refuses_with_resource_exhausted(scripted) -> None:  # type: ignore[no-untyped-def]
     tier, stub, _ = scripted
     tier.gate = threading.Event()  # every tier call now waits
-    futures = [
-        stub.GetStats.future(pb.GetStatsRequest(), metadata=AUTH, timeout=30) for _ in range(4)
-    ]
+    asked = pb.QueryHitRequest(token_ids=list(range(300)), take_lease=False)
+    futures = [stub.QueryHit.future(asked, metadata=AUTH, timeout=30) for _ in range(4)]
     while len(tier.calls) < 4:  # the 4 admitted calls are in the tier
         threading.Event().wait(0.01)
     assert code_of(lambda: stub.GetStats(pb.GetStatsRequest(), metadata=AUTH, timeout=30)) == (
         grpc.StatusCode.RESOURCE_EXHAUSTED
     )
     tier.gate.set()
-    assert all(future.result().storage_nodes == 12 for future in futures)
+    assert all(future.result().plan.prompt_len == 300 for future in futures)
 
 
 def test_missing_token_and_undecodable_bytes(scripted) -> None:  # type: ignore[no-untyped-def]
@@ -472,3 +472,12 @@ def test_the_servicer_in_front_of_the_in_process_cluster(tmp_path) -> None:  # t
 )
 def test_the_peers_host_is_read_from_grpcs_peer_string(peer: str, host: str) -> None:
     assert servicer_module._peer_host(peer) == host
+
+
+def test_get_stats_asks_the_tier_once_a_second_however_often_a_tenant_polls(scripted) -> None:  # type: ignore[no-untyped-def]
+    tier, stub, _ = scripted
+    started = time.monotonic()
+    for _ in range(20):
+        assert stub.GetStats(pb.GetStatsRequest(), metadata=AUTH, timeout=30).storage_nodes == 12
+    asked = sum(method == "stats" for method, _ in tier.calls)
+    assert asked <= 1 + int(time.monotonic() - started), asked  # not one fan-out per call

@@ -445,6 +445,31 @@ def test_the_bytes_quota_refuses_the_block_that_does_not_fit(parts: InProcessTie
     assert quota.stats().block_bytes_stored == 2 * SIZE
 
 
+def test_concurrent_puts_never_pass_the_bytes_quota_together(parts: InProcessTier) -> None:
+    # 12 puts of 4 blocks at once against a 10-block quota: the bytes are reserved before a
+    # put runs, so at most two fit (a check then a put let all 12 through: 48 blocks).
+    quota = view(parts.tier, "quota", classes=("agent",), max_bytes=10 * SIZE)
+    _, keys = prompt(48, seed=14)
+    start = threading.Barrier(12)
+    stored: list[int] = []
+    refused: list[Overloaded] = []
+
+    def put(part: list[bytes]) -> None:
+        start.wait()
+        try:
+            stored.append(quota.put_blocks(part, payloads(part, "q"), "agent").stored)
+        except Overloaded as error:
+            refused.append(error)
+
+    threads = [threading.Thread(target=put, args=(keys[i : i + 4],)) for i in range(0, 48, 4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sum(stored) <= 10 and len(stored) + len(refused) == 12
+    assert parts.tier.stats().classes["agent"]["stored_bytes"] == sum(stored) * SIZE <= 10 * SIZE
+
+
 def test_a_class_outside_the_tenants_list_is_forbidden(parts: InProcessTier) -> None:
     agent = view(parts.tier, "agent-only", classes=("agent",))
     tokens, keys = prompt(2, seed=12)
