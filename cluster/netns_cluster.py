@@ -13,8 +13,9 @@ poke at (root only; needs iproute2).
 Hosts get addresses in 198.18.0.0/15 (a test range, never routed) on one bridge in a namespace
 of its own; the machine's own network is not touched. Ray runs with token authentication on
 every host; the gateway on the head serves TLS with a bearer token (both made for the testbed,
-under its run directory /tmp/kvstore-testbed/<name>). `up` leaves the testbed running and
-returns; Ctrl-C or a failure during `up` takes down what was made. See kvstore/testbed/.
+under its run directory /tmp/<name>-<random>, made fresh and private). `up` leaves the testbed
+running and returns; Ctrl-C or a failure during `up` takes down what was made. See
+kvstore/testbed/.
 """
 
 from __future__ import annotations
