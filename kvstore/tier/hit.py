@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvstore.errors import StoreError
+from kvstore.errors import InvalidArgument, StoreError
 from kvstore.hitplan import (
     EXACT_WINDOW,
     HasHitGeometry,
@@ -38,7 +38,7 @@ from kvstore.hitplan import (
     hit_cap,
     plan_hit,
 )
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, repeated_key
 from kvstore.pending import Pending
 from kvstore.swa.advice import FETCH, Advice, FetchReplayAdvisor
 from kvstore.swa.directory import StoreRef
@@ -210,6 +210,12 @@ class HitQuery:
         cap = hit_cap(prompt_len, geometry=self._geometry, mode=mode)
         # Blocks past the cap can never hit: neither hashed, nor looked up, nor leased.
         keys = request.words(self._fingerprint, cap // self._geometry.block_tokens)
+        # Each key would take a lease of its own: a repeated key is refused, not leased twice.
+        repeat = repeated_key(keys)
+        if repeat is not None:
+            raise InvalidArgument(
+                f"block_keys[{repeat}]", "repeats an earlier key (a prompt's keys never repeat)"
+            )
         run, lease = 0, None
         if keys.shape[0]:
             run, lease = yield ("blocks", keys)

@@ -25,7 +25,6 @@ from kvstore.keys import (
     BlockKey,
     block_key_words,
     key_words,
-    repeated_key,
     words_to_keys,
 )
 
@@ -102,7 +101,9 @@ class HitRequest:
     length. With ``take_lease`` the hit blocks are leased until read or released.
 
     The one checked form of a hit request: made (at an API edge or by an engine), it is valid,
-    and every layer behind (a tenant's view, the tier, the hit query) takes it as given. Block
+    and every layer behind (a tenant's view, the tier, the hit query) takes it as given. (That
+    its keys never repeat is the hit query's to check, on the keys it would lease: a check
+    here would cost every client a sort per request for a rule only the tier's leases need.) Block
     keys are held as (n, 4) words from here on; a request of token ids is hashed once, by the
     layer that knows its layout's fingerprint (``words``).
     """
@@ -148,12 +149,6 @@ class HitRequest:
                 "prompt_len",
                 f"{length} tokens cannot hold the {words.shape[0]} blocks of block_keys "
                 f"({words.shape[0] * BLOCK_TOKENS} tokens)",
-            )
-        # Each key would take a lease of its own: a repeated key is refused, not leased twice.
-        repeat = repeated_key(words)
-        if repeat is not None:
-            raise InvalidArgument(
-                f"block_keys[{repeat}]", "repeats an earlier key (a prompt's keys never repeat)"
             )
         object.__setattr__(self, "block_keys", words)
         object.__setattr__(self, "prompt_len", int(length))
