@@ -284,7 +284,9 @@ class KVStoreClient:
         *,
         shared: bool = False,
         state_bytes: int | None = None,
+        owner: str = "",
     ) -> str:
+        del owner  # the gateway owns the state by this client's token, never by its word
         self._check_state_bytes(state_bytes)
         request = pb.PutSWAStateRequest(
             key=bytes(key),

@@ -215,11 +215,11 @@ class SWAStoreActor:
         self._loops = [loop.create_task(self._expiry_loop())]
         self._loops += [loop.create_task(self._heartbeat_loop(s)) for s in shards]
 
-    async def put(self, key: BlockKey, position: int, blob: np.ndarray) -> bool:
-        """Store a state and register it; True when the directory confirmed the registration
-        (False: it stays pending and the next heartbeat retries)."""
+    async def put(self, key: BlockKey, position: int, blob: np.ndarray, owner: str = "") -> bool:
+        """Store ``owner``'s state and register it; True when the directory confirmed the
+        registration (False: it stays pending and the next heartbeat retries)."""
         try:
-            self._agent.put(key, position, blob)
+            self._agent.put(key, position, blob, owner=owner)
         except StateRejected:
             raise
         except InvalidArgument as error:
@@ -564,15 +564,18 @@ class SWARayTransport:
                 return None
         return answer if isinstance(answer, np.ndarray) else None
 
-    def put(self, store_name: str, key: BlockKey, position: int, blob: np.ndarray) -> bool:
-        """True when stored and registered, False when stored but the registration is pending.
-        Raises ``StateRejected`` for a bad state, ``StoreError`` when the store cannot be
-        reached in time (the state was not stored)."""
+    def put(
+        self, store_name: str, key: BlockKey, position: int, blob: np.ndarray, owner: str = ""
+    ) -> bool:
+        """Store ``owner``'s state: True when stored and registered, False when stored but
+        the registration is pending. Raises ``StateRejected`` for a bad state, ``StoreError``
+        when the store cannot be reached in time (the state was not stored)."""
         handle = self._handle(store_name)
         if handle is None:
             raise StoreError(f"SWA store {store_name!r} is not running")
         try:
-            return bool(ray.get(handle.put.remote(key, position, blob), timeout=self._timeout))
+            stored = handle.put.remote(key, position, blob, owner)
+            return bool(ray.get(stored, timeout=self._timeout))
         except StateRejected:
             raise
         except ray.exceptions.RayError as error:

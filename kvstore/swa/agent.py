@@ -63,10 +63,10 @@ class StoreAgent:
 
     # --- changes of the store ---------------------------------------------------------
 
-    def put(self, key: BlockKey, position: int, blob: object) -> list[BlockKey]:
-        """Store a state; returns the keys LRU evicted. Raises ``InvalidArgument`` on a bad put
-        (and then changes nothing)."""
-        evicted = self.store.put(key, position, blob)
+    def put(self, key: BlockKey, position: int, blob: object, *, owner: str = "") -> list[BlockKey]:
+        """Store ``owner``'s state (``SWAStore.put``); returns the keys LRU evicted. Raises
+        ``InvalidArgument`` on a bad put (and then changes nothing)."""
+        evicted = self.store.put(key, position, blob, owner=owner)
         self._record_removed()
         self._record(key, _REGISTER)
         return evicted

@@ -87,10 +87,13 @@ class SWAClient:
         blob: object,
         *,
         state_bytes: int | None = None,
+        owner: str = "",
     ) -> bool:
         """Store a state on ``machine_id``'s store. True once registered in the directory;
         False when stored but the registration is still pending (the store retries).
         ``state_bytes``: the exact size of a state of its layout (None: the tier's own).
+        ``owner``: the tenant putting it ("" the tier's own callers): the store keeps each
+        owner's states in its own share (``SWAStore.put``).
         Raises ``StateRejected`` (wrong size / position) before anything is sent,
         ``InvalidArgument`` for an unknown machine, and ``StoreError`` when the store could
         not take it."""
@@ -102,7 +105,7 @@ class SWAClient:
             block_tokens=self.layout.block_tokens,
         )
         name = self.layout.store_name(machine_id)
-        return self._transport.put(name, key, int(position), array)
+        return self._transport.put(name, key, int(position), array, owner)
 
     def fetch(
         self, owner: StoreRef, key: BlockKey, *, state_bytes: int | None = None
@@ -149,11 +152,12 @@ class SWAClient:
         return best
 
     def stats(self) -> dict[str, Any]:
-        """The stores' figures summed (``bytes``, ``states``, ...), with ``stores_answering``
-        and each store's own figures under ``by_machine``."""
+        """The stores' figures summed (``bytes``, ``states``, ...; ``bytes_by_owner`` per
+        owner), with ``stores_answering`` and each store's own figures under ``by_machine``."""
         by_name = self._transport.stats()
         machine_of = {name: machine for machine, name in self.layout.stores.items()}
         totals: dict[str, Any] = {"stores": len(self.layout.stores), "stores_answering": 0}
+        owners: dict[str, int] = {}
         by_machine: dict[str, Any] = {}
         for name, figures in by_name.items():
             by_machine[machine_of.get(name, name)] = figures
@@ -163,6 +167,9 @@ class SWAClient:
             for field_name, value in figures.items():
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     totals[field_name] = totals.get(field_name, 0) + value
+            for owner, size in (figures.get("bytes_by_owner") or {}).items():
+                owners[owner] = owners.get(owner, 0) + int(size)
+        totals["bytes_by_owner"] = owners
         totals["by_machine"] = by_machine
         return totals
 

@@ -9,6 +9,11 @@ touches the pool, with an error naming both the size and the position and what w
 
 Eviction: by LRU when a put would exceed the byte bound, and by TTL measured from the last access
 (a put or a hit), so a state an agent loop keeps reusing stays while an abandoned one goes.
+Every state has an owner (the tenant that put it, "" for the tier's own callers) and the LRU
+runs within owners: a full pool takes room from the owner holding most beyond its fair share
+(capacity over the owners it holds states of), and an owner already beyond its own share makes
+room from its own states first — so one tenant's flood evicts its own states, never another's
+within their share. Free room is anyone's (a lone owner may fill the pool, as before owners).
 Every removal is queued for ``drain_removed`` so the owner can unregister it from the directory.
 Time comes from an injected ``Clock``: tests move it by hand.
 
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -101,6 +106,7 @@ class _Entry:
     payload: Any  # what ``keep`` made of the validated bytes
     last_access: float
     nbytes: int
+    owner: str = ""
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,8 @@ class StoreStats:
     misses: int
     evicted_lru: int
     expired_ttl: int
+    #: Bytes held per owner (a tenant's share counts toward its ``max_bytes`` quota).
+    bytes_by_owner: dict[str, int] = field(default_factory=dict)
 
 
 class SWAStore:
@@ -149,8 +157,11 @@ class SWAStore:
         self._clock = clock
         self._block_tokens = block_tokens
         self._keep = keep
-        # Oldest access first: LRU victims and TTL expiries both come off the front.
+        # Oldest access first: TTL expiries come off the front. Each owner's keys in the same
+        # order, so its LRU victim is found without a scan; and the bytes it holds.
         self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._by_owner: dict[str, OrderedDict[BlockKey, None]] = {}
+        self._owner_bytes: dict[str, int] = {}
         self._removed: list[BlockKey] = []
         self._hits = self._misses = self._evicted = self._expired = 0
 
@@ -176,8 +187,8 @@ class SWAStore:
         """Keys held, least recently used first."""
         return list(self._entries)
 
-    def put(self, key: BlockKey, position: int, blob: object) -> list[BlockKey]:
-        """Store (or refresh) the state ``key`` snapshotted at ``position``.
+    def put(self, key: BlockKey, position: int, blob: object, *, owner: str = "") -> list[BlockKey]:
+        """Store (or refresh) the state ``key`` snapshotted at ``position`` for ``owner``.
 
         Returns the keys evicted by LRU to make room (also queued for ``drain_removed``).
         The validated bytes are handed to ``keep`` (by default: copied into an owned array).
@@ -194,17 +205,44 @@ class SWAStore:
         self.expire()
         payload = self._keep(array)
         if key in self._entries:
-            self._used -= self._entries.pop(key).nbytes
+            self._forget(key)
+        size = int(array.size)
         evicted: list[BlockKey] = []
-        while self._entries and self._used + array.size > self._capacity:
-            victim, entry = self._entries.popitem(last=False)
-            self._used -= entry.nbytes
+        while self._entries and self._used + size > self._capacity:
+            victim = self._victim(owner, size)
+            self._forget(victim)
             evicted.append(victim)
             self._evicted += 1
-        self._entries[key] = _Entry(int(position), payload, now, int(array.size))
-        self._used += int(array.size)
+        self._entries[key] = _Entry(int(position), payload, now, size, owner)
+        self._by_owner.setdefault(owner, OrderedDict())[key] = None
+        self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + size
+        self._used += size
         self._removed.extend(evicted)
         return evicted
+
+    def _victim(self, owner: str, incoming: int) -> BlockKey:
+        """The state to evict for ``incoming`` bytes of ``owner``: its own least recently used
+        while it would hold more than its fair share, else that of the owner holding most
+        beyond its share (one exists: the pool is full and the putter is within its share)."""
+        holders = set(self._by_owner) | {owner}
+        share = self._capacity / len(holders)
+        mine = self._by_owner.get(owner)
+        if mine and self._owner_bytes[owner] + incoming > share:
+            return next(iter(mine))
+        others = [name for name in self._by_owner if name != owner] or [owner]
+        heaviest = max(others, key=lambda name: self._owner_bytes[name])
+        return next(iter(self._by_owner[heaviest]))
+
+    def _forget(self, key: BlockKey) -> _Entry:
+        """Take ``key`` out of the pool and its owner's books (not queued as removed)."""
+        entry = self._entries.pop(key)
+        self._used -= entry.nbytes
+        keys = self._by_owner[entry.owner]
+        del keys[key]
+        self._owner_bytes[entry.owner] -= entry.nbytes
+        if not keys:  # an owner holding nothing has no share to count
+            del self._by_owner[entry.owner], self._owner_bytes[entry.owner]
+        return entry
 
     def get(self, key: BlockKey) -> Any | None:
         """The kept state (by default its read-only bytes) with a refreshed access time, or
@@ -219,6 +257,7 @@ class SWAStore:
             return None
         entry.last_access = now
         self._entries.move_to_end(key)
+        self._by_owner[entry.owner].move_to_end(key)
         self._hits += 1
         return entry.payload
 
@@ -259,10 +298,11 @@ class SWAStore:
             misses=self._misses,
             evicted_lru=self._evicted,
             expired_ttl=self._expired,
+            bytes_by_owner=dict(self._owner_bytes),
         )
 
     def _drop(self, key: BlockKey, *, expired: bool) -> None:
-        self._used -= self._entries.pop(key).nbytes
+        self._forget(key)
         self._removed.append(key)
         if expired:
             self._expired += 1

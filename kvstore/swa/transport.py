@@ -111,9 +111,12 @@ class SWATransport(Protocol):
         """The state's bytes from its owner's store (read-only), or None."""
         ...
 
-    def put(self, store_name: str, key: BlockKey, position: int, blob: np.ndarray) -> bool:
-        """Store a state: True once the directory registered it, False when stored with the
-        registration still pending. Raises ``StateRejected`` / ``StoreError`` (see above)."""
+    def put(
+        self, store_name: str, key: BlockKey, position: int, blob: np.ndarray, owner: str = ""
+    ) -> bool:
+        """Store ``owner``'s state (its share of the store, ``SWAStore.put``): True once the
+        directory registered it, False when stored with the registration still pending.
+        Raises ``StateRejected`` / ``StoreError`` (see above)."""
         ...
 
     def ping(self, store_name: str) -> float | None:
@@ -154,12 +157,14 @@ class LocalSWATransport:
         blob = agent.get(key)
         return None if blob is None else np.asarray(blob)
 
-    def put(self, store_name: str, key: BlockKey, position: int, blob: np.ndarray) -> bool:
+    def put(
+        self, store_name: str, key: BlockKey, position: int, blob: np.ndarray, owner: str = ""
+    ) -> bool:
         agent = self._agent(store_name)
         if agent is None:
             raise StoreError(f"SWA store {store_name!r} is not running")
         try:
-            agent.put(key, position, blob)
+            agent.put(key, position, blob, owner=owner)
         except StateRejected:
             raise
         except InvalidArgument as error:  # as the Ray store re-raises it: a rejected state

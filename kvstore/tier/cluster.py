@@ -330,6 +330,7 @@ class ClusterTier:
         machine: str | None = None,
         *,
         state_bytes: int | None = None,
+        owner: str = "",
     ) -> str:
         check_store_position(position, "position", block_tokens=self._geometry.block_tokens)
         key = check_key(key)
@@ -344,7 +345,12 @@ class ClusterTier:
             raise InvalidArgument("machine", f"no SWA store on {target!r}; known: {stores}")
         slot = state_slot(key, position)
         self._swa.put(
-            target, slot, position, np.frombuffer(state, dtype=np.uint8), state_bytes=state_bytes
+            target,
+            slot,
+            position,
+            np.frombuffer(state, dtype=np.uint8),
+            state_bytes=state_bytes,
+            owner=owner,
         )
         return target
 

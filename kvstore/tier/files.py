@@ -112,7 +112,9 @@ class DirectoryTier:
         machine: str | None = None,
         *,
         state_bytes: int | None = None,
+        owner: str = "",
     ) -> str:
+        del owner  # one directory, no pool shared by tenants to keep shares of
         check_key(key)
         check_state(position, state, state_bytes=state_bytes or self.state_size)
         _write_file(self._swa, _state_name(key, position), bytes(state))

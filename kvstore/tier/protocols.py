@@ -80,9 +80,13 @@ class TierWriter(Protocol):
         machine: str | None = None,
         *,
         state_bytes: int | None = None,
+        owner: str = "",
     ) -> str:
         """Store a state (on ``machine``'s store when given); returns the machine holding it.
-        ``state_bytes``: the exact size of its layout's states (None: the tier's own)."""
+        ``state_bytes``: the exact size of its layout's states (None: the tier's own).
+        ``owner``: the tenant storing it ("": the tier's own callers). A tier whose stores
+        are shared keeps each owner's states in its own share of them, so one tenant's puts
+        never evict another's (``kvstore.swa.store``); one with nothing shared ignores it."""
         ...
 
 

@@ -13,9 +13,11 @@ blocks first and its own blocks after it; only the trusted writer role (``shared
 writes there. Its leases are its own: the tier's one lease table tags each with its tenant
 (``kvstore.tier.leases``), so an id handed to one tenant is nobody else's, and takes a tenant's
 cap on open leases with the lease, so one tenant cannot push another's leases out of the tier's
-bounded table. Its lookups are counted once, in the tier's hit figures under its name
-(``kvstore.tier.counters``). Policy (classes, quotas, payload sizes, the shared role) is checked
-before the tier is asked anything.
+bounded table. Its SWA states are put under its name, so each SWA store keeps them in the
+tenant's own share (another tenant's flood never evicts them, ``kvstore.swa.store``), and their
+bytes count toward its ``max_bytes`` quota beside its blocks'. Its lookups are counted once, in
+the tier's hit figures under its name (``kvstore.tier.counters``). Policy (classes, quotas,
+payload sizes, the shared role) is checked before the tier is asked anything.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ class TenantView:
         self._async = tier if isinstance(tier, AsyncHitSource) else None
         self._foreign_leases = foreign_leases
         self._lock = threading.Lock()
-        self._usage: tuple[float, int] | None = None  # (when, bytes stored in its classes)
+        # (when, bytes stored in its classes and its SWA states)
+        self._usage: tuple[float, int] | None = None
         self._put_since_usage = 0
         self._reserved = 0  # bytes of puts running now (``_bytes_reserved``)
 
@@ -320,7 +323,8 @@ class TenantView:
         shared: bool = False,
         layout: Layout | None = None,
     ) -> str:
-        """Store a state under ``layout`` (None: the tier's own): exactly its state size."""
+        """Store a state under ``layout`` (None: the tier's own): exactly its state size, in
+        the tenant's share of the SWA stores and within its bytes quota."""
         chosen = self.layout(layout)
         if len(state) != chosen.state_bytes:
             held = (
@@ -332,13 +336,18 @@ class TenantView:
                 "state", f"its layout {held}; got {len(state)} bytes at position {position}"
             )
         salt = self._salt_to_write(shared, chosen)
-        return self._tier.put_swa_state(
-            namespaced_key(salt, check_key(key)),
-            position,
-            state,
-            machine,
-            state_bytes=self._state_size(chosen),
-        )
+        with self._bytes_reserved(len(state)):
+            where = self._tier.put_swa_state(
+                namespaced_key(salt, check_key(key)),
+                position,
+                state,
+                machine,
+                state_bytes=self._state_size(chosen),
+                owner=self.tenant.name,
+            )
+            with self._lock:
+                self._put_since_usage += len(state)
+        return where
 
     # --- figures -------------------------------------------------------------------------------
 
@@ -363,7 +372,7 @@ class TenantView:
         return Stats(
             classes=classes,
             block_bytes_stored=sum(figures["stored_bytes"] for figures in classes.values()),
-            swa_bytes_stored=0,
+            swa_bytes_stored=_swa_bytes(base, self.tenant.name),
             degraded_reads=base.degraded_reads,
             repairs_done=base.repairs_done,
             repairs_pending=base.repairs_pending,
@@ -428,7 +437,7 @@ class TenantView:
                 raise Overloaded(
                     f"tenant {tenant.name!r} stores or is writing {used} of its "
                     f"{tenant.max_bytes} bytes: {incoming} more do not fit (GC frees its oldest "
-                    "blocks as they expire)"
+                    "blocks as they expire, the SWA stores its idle states)"
                 )
             self._reserved += incoming
         try:
@@ -438,18 +447,20 @@ class TenantView:
                 self._reserved -= incoming
 
     def _refresh_usage(self) -> None:
-        """Bytes stored in the tenant's classes, from the tier's figure when this one is over a
-        second old; what this view wrote since the figure was asked for is counted beside it
-        (``_put_since_usage``), whatever the figure already holds of it (over, never under)."""
+        """Bytes stored in the tenant's classes and its SWA states, from the tier's figures
+        when these are over a second old; what this view wrote since the figures were asked
+        for is counted beside them (``_put_since_usage``), whatever they already hold of it
+        (over, never under)."""
         usage = self._usage
         now = time.monotonic()
         if usage is not None and now - usage[0] <= _USAGE_MAX_AGE_S:
             return
         with self._lock:
             written_before = self._put_since_usage
-        classes = self._tier.stats().classes
-        total = sum(
-            int(classes.get(name, {}).get("stored_bytes", 0)) for name in self.tenant.classes or ()
+        stats = self._tier.stats()
+        total = _swa_bytes(stats, self.tenant.name) + sum(
+            int(stats.classes.get(name, {}).get("stored_bytes", 0))
+            for name in self.tenant.classes or ()
         )
         with self._lock:
             self._usage = (now, total)
@@ -482,6 +493,12 @@ class TenantViews:
         if view.tenant is not tenant:
             view.tenant = tenant  # reloaded tokens file: same salts, maybe new policy
         return view
+
+
+def _swa_bytes(stats: Stats, owner: str) -> int:
+    """Bytes of SWA states ``owner`` holds in the tier's stores (``SWAClient.stats``; none in a
+    tier without them)."""
+    return int(stats.extra.get("swa", {}).get("bytes_by_owner", {}).get(owner, 0))
 
 
 def _answer(outcome: HitAnswer | BaseException) -> HitAnswer:

@@ -124,6 +124,7 @@ class ScriptedTier:
         machine: str | None = None,
         *,
         state_bytes: int | None = None,
+        owner: str = "",
     ) -> str:
         self._enter("put_swa_state", key=key, position=position, machine=machine)
         return machine or "m0"

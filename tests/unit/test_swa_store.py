@@ -1,4 +1,5 @@
-"""The per-machine SWA pool: exact sizes and positions, LRU order, TTL from last access."""
+"""The per-machine SWA pool: exact sizes and positions, LRU order, TTL from last access, each
+owner's states in its own share."""
 
 from __future__ import annotations
 
@@ -163,3 +164,44 @@ def test_delete_reports_removal() -> None:
     store.put(key(1), 128, blob(1))
     assert store.delete(key(1)) and not store.delete(key(1))
     assert store.drain_removed() == [key(1)]
+
+
+# --- owners' shares -----------------------------------------------------------------------------
+
+
+def test_an_owners_flood_evicts_its_own_states_never_anothers() -> None:
+    # Issue 31 item 5: one tenant's 40 states flushed another's from a shared LRU.
+    store, clock = make(capacity_states=4)
+    store.put(key(1), 128, blob(1), owner="victim")
+    flooded = [key(100 + n) for n in range(40)]
+    evicted: list[bytes] = []
+    for n, flood in enumerate(flooded):
+        clock.advance(1)
+        evicted += store.put(flood, 128, blob(n), owner="flood")
+        if n == 2:
+            assert store.get(flooded[0]) is not None  # read: the flood's LRU is now its 2nd
+    # Free room is anyone's: the flood filled the pool, then recycled only its own states.
+    assert key(1) in store and store.get(key(1)) is not None
+    assert set(evicted) <= set(flooded) and key(1) not in evicted
+    assert flooded[1] in evicted and store.keys() == [*flooded[-3:], key(1)]  # 1: just read
+    assert store.stats().bytes_by_owner == {"victim": STATE, "flood": 3 * STATE}
+    assert store.drain_removed() == evicted
+
+
+def test_a_full_pool_takes_room_from_the_owner_most_beyond_its_share() -> None:
+    store, _ = make(capacity_states=4)
+    for n in (1, 2, 3):
+        store.put(key(n), 128, blob(n), owner="a")
+    store.put(key(4), 128, blob(4), owner="b")
+    # Full: "c" (nothing held) takes room from "a", 3 states against a share of 4/3.
+    assert store.put(key(5), 128, blob(5), owner="c") == [key(1)]
+    assert store.put(key(6), 128, blob(6), owner="") == [key(2)]  # shares of 1: "a" has 1 over
+    # Every owner at its share now: the putter makes room from its own.
+    assert store.put(key(7), 128, blob(7), owner="b") == [key(4)]
+    assert store.stats().bytes_by_owner == {"a": STATE, "b": STATE, "c": STATE, "": STATE}
+    # An owner whose states are all gone (expired, deleted, evicted) has no share left.
+    assert store.delete(key(3))
+    assert "a" not in store.stats().bytes_by_owner
+    # A state refreshed by another owner moves to that owner's books.
+    assert store.put(key(7), 128, blob(8), owner="c") == []
+    assert store.stats().bytes_by_owner == {"c": 2 * STATE, "": STATE}

@@ -2,8 +2,8 @@
 files), without Ray. Keys are namespaced per tenant (two tenants' keys never meet), answers carry
 the caller's own keys, the shared namespace is read first and written only by the writer role,
 leases are each tenant's own and capped (also under concurrency), each question is counted
-once, and policy (sizes, repeats, classes, the bytes quota) is checked
-before the tier is asked anything."""
+once, a tenant's SWA states live in its own share of the stores and count toward its quota, and
+policy (sizes, repeats, classes, the bytes quota) is checked before the tier is asked anything."""
 
 from __future__ import annotations
 
@@ -468,6 +468,48 @@ def test_concurrent_puts_never_pass_the_bytes_quota_together(parts: InProcessTie
         thread.join(60)
     assert sum(stored) <= 10 and len(stored) + len(refused) == 12
     assert parts.tier.stats().classes["agent"]["stored_bytes"] == sum(stored) * SIZE <= 10 * SIZE
+
+
+def test_a_tenants_swa_flood_never_evicts_anothers_state(parts: InProcessTier) -> None:
+    # Issue 31 item 5: a tenant storing 40 states flushed another tenant's state out of the
+    # shared SWA store (its next read: not_in_directory_or_owner_lost).
+    victim, flood = view(parts.tier, "victim"), view(parts.tier, "flood")
+    _, keys = prompt(41, seed=15)
+    assert victim.put_swa_state(keys[0], BLOCK, state(1)) == "m0"
+    for n in range(1, 41):
+        assert flood.put_swa_state(keys[n], (n + 1) * BLOCK, state(n % 200)) == "m0"
+    read = victim.get_swa_state(keys[0], BLOCK)
+    assert (read.state, read.miss_reason) == (state(1), None)
+    # Each store holds 8 states: the flood recycles its own, and holds the rest of the room.
+    assert flood.get_swa_state(keys[40], 41 * BLOCK).state == state(40)
+    assert flood.get_swa_state(keys[1], 2 * BLOCK).state is None
+    assert (victim.stats().swa_bytes_stored, flood.stats().swa_bytes_stored) == (STATE, 7 * STATE)
+    owners = parts.tier.stats().extra["swa"]["bytes_by_owner"]
+    assert owners == {"victim": STATE, "flood": 7 * STATE}
+
+
+def test_swa_states_count_toward_the_bytes_quota(parts: InProcessTier) -> None:
+    # Issue 31 item 5: a tenant with a 10-block quota stored 40 states (57 MB) beside it.
+    ten = view(parts.tier, "ten-blocks", classes=("agent",), max_bytes=10 * SIZE)
+    _, keys = prompt(4, seed=16)
+    with pytest.raises(Overloaded, match=f"'ten-blocks' stores or is writing 0 of its {10 * SIZE}"):
+        ten.put_swa_state(keys[0], BLOCK, state(1))  # one state is more than 10 blocks
+    assert ten.get_swa_state(keys[0], BLOCK).state is None
+    # Blocks and states together: 2 blocks and 2 states fit, nothing more of either.
+    quota = view(parts.tier, "quota", classes=("agent",), max_bytes=2 * SIZE + 2 * STATE)
+    assert quota.put_blocks(keys[:2], payloads(keys[:2], "q")).stored == 2
+    quota.put_swa_state(keys[0], BLOCK, state(2))
+    quota.put_swa_state(keys[1], 2 * BLOCK, state(3), machine="m1")
+    with pytest.raises(Overloaded, match=f"'quota' stores or is writing {2 * SIZE + 2 * STATE}"):
+        quota.put_swa_state(keys[2], 3 * BLOCK, state(4))
+    with pytest.raises(Overloaded, match="'quota'"):
+        quota.put_blocks(keys[2:3], payloads(keys[2:3], "q"))
+    assert quota.get_swa_state(keys[2], 3 * BLOCK).state is None
+    assert quota.stats().swa_bytes_stored == 2 * STATE  # over both stores
+    # A view made afresh (a gateway restart) counts the states from the tier's figures.
+    fresh = view(parts.tier, "quota", classes=("agent",), max_bytes=2 * SIZE + 2 * STATE)
+    with pytest.raises(Overloaded, match="'quota'"):
+        fresh.put_swa_state(keys[3], 4 * BLOCK, state(5))
 
 
 def test_a_class_outside_the_tenants_list_is_forbidden(parts: InProcessTier) -> None:
