@@ -81,6 +81,9 @@ class Pending(Generic[R]):
         """Every part's answer, in order: one after another from a thread, together on a loop
         (where they share a round of calls)."""
 
+        if len(parts) == 1:  # nothing to run together: no task for the loop to schedule
+            return parts[0].then(lambda answer: [answer])
+
         async def together() -> list[S]:
             return list(await asyncio.gather(*(part._wait_async() for part in parts)))
 

@@ -195,12 +195,13 @@ class HitQuery:
         miss: nothing reused, nothing leased)."""
         if need[0] == "blocks":
             asked: Pending[Any] = self._blocks.lookup(need[1]).recover(StoreError, _block_tier_down)
+        elif need[0] == "state":
+            key, position = need[1]
+            asked = self._states.locate(key, position, self.local_machine)
         else:
-            wanted = need[1] if need[0] == "states" else [need[1]]
-            owners = Pending.all(
-                [self._states.locate(key, at, self.local_machine) for key, at in wanted]
+            asked = Pending.all(
+                [self._states.locate(key, at, self.local_machine) for key, at in need[1]]
             )
-            asked = owners if need[0] == "states" else owners.then(lambda found: found[0])
         return asked
 
     def _steps(self, request: HitRequest) -> Generator[_Need, Any, HitResult]:

@@ -134,12 +134,22 @@ class TenantView:
         steps = self._steps(self._prepare(request))
         asked = next(steps)
         while True:
-            # The parts of one step at once: they coalesce into one round of cluster calls.
-            answers = await asyncio.gather(
-                *(hits.query_hit_async(part) for part in asked), return_exceptions=True
-            )
+            if len(asked) == 1:  # one part: awaited as it is (no task for the loop)
+                try:
+                    answers: list[HitAnswer | BaseException] = [
+                        await hits.query_hit_async(asked[0])
+                    ]
+                except Exception as error:  # handed to the plan, as from a thread
+                    answers = [error]
+            else:
+                # The parts of one step at once: they coalesce into one round of cluster calls.
+                answers = list(
+                    await asyncio.gather(
+                        *(hits.query_hit_async(part) for part in asked), return_exceptions=True
+                    )
+                )
             try:
-                asked = steps.send(list(answers))
+                asked = steps.send(answers)
             except StopIteration as done:
                 return done.value
 
