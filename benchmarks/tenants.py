@@ -213,25 +213,35 @@ class Bob:
                 if pause:
                     self._stop.wait(pause)
 
+        poisoned: set[int] = set()  # alice's prompts bob has written his own blocks for
+
         def probe() -> None:
-            prompt = self._alice[int(rng.integers(len(self._alice)))]
+            index = int(rng.integers(len(self._alice)))
+            prompt = self._alice[index]
             alice_keys = block_keys(self._fingerprint, prompt)[:BLOCKS]
             answer = stub.QueryHit(
                 pb.QueryHitRequest(token_ids=prompt.tolist(), take_lease=False),
                 metadata=auth,
                 timeout=30,
             )
-            with self._lock:
-                self.answers["alice's prompt: blocks bob saw cached"] += (
-                    answer.plan.block_hit_tokens // BLOCK_TOKENS
-                )
             reads = list(
                 stub.GetBlocks(pb.GetBlocksRequest(keys=alice_keys), metadata=auth, timeout=30)
             )
             with self._lock:
-                self.answers["alice's blocks: bob read"] += sum(r.found for r in reads)
+                if index not in poisoned:  # afterwards bob finds the blocks he wrote himself
+                    self.answers["alice's prompt, before bob wrote it: blocks he saw cached"] += (
+                        answer.plan.block_hit_tokens // BLOCK_TOKENS
+                    )
+                    self.answers["alice's prompt, before bob wrote it: blocks he read"] += sum(
+                        r.found for r in reads
+                    )
+                self.answers["alice's blocks: bob read her bytes"] += sum(
+                    r.found and r.payload == _payload(r.key, size) for r in reads
+                )
             blocks = [pb.Block(key=k, payload=bytes(size)) for k in alice_keys]
             stub.PutBlocks(iter([pb.PutBlocksRequest(blocks=blocks)]), metadata=auth, timeout=30)
+            with self._lock:
+                poisoned.add(index)
 
         def idle_stream() -> Any:
             self._stop.wait(600)  # sends nothing until the phase ends
