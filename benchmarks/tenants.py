@@ -21,9 +21,9 @@ The table gives, per phase, alice's hit rate, errors, and QueryHit and GetBlocks
 the p50's ratio to the quiet phase, and shows what bob's calls were answered. Targets (issues
 15 and 31): alice's hit rate and errors are the same under every abuse, and her p50s stay
 within 3x of the quiet phase's (two shared cores: bob's load costs CPU that alice's engines
-share). The gateway shares this machine with the storage nodes and reads their shards through
-the local short-circuit, so GetBlocks latency is lower than across machines; the headline (hit
-rate, isolation) is the same either way.
+share). The gateway reads shards from the storage nodes over their sockets, as across machines,
+but on one machine those are loopback, so GetBlocks latency is lower than across machines; the
+headline (hit rate, isolation, the ratios to the quiet phase) is what a deployment sees.
 """
 
 from __future__ import annotations

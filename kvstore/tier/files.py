@@ -41,7 +41,6 @@ from kvstore.tier.records import (
     BlockRead,
     HitAnswer,
     HitRequest,
-    LeaseTag,
     PutAnswer,
     StateRead,
     Stats,
@@ -158,8 +157,8 @@ class DirectoryTier:
         """Nothing to give back: this tier takes no leases (nothing evicts behind a reader)."""
         return False
 
-    def lease_tag(self, lease_id: str) -> LeaseTag | None:
-        return None
+    def lease_tag(self, lease_id: str) -> None:
+        return None  # no leases here
 
     def open_leases(self, tenant: str) -> int:
         return 0

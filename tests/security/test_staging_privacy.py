@@ -38,7 +38,6 @@ KV = KVLayout.from_geometry(GEOMETRY)
 #: What must never reach a file anyone else could read: a tenant's block, a marker repeated.
 SECRET = b"TENANT-SECRET-KV"
 OTHER_UID = 65534
-as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
 
 
 def _give_away(path: Path) -> None:
@@ -82,14 +81,19 @@ def test_areas_live_in_a_directory_only_this_user_can_enter(root: Path, umask_02
         assert stat.S_IMODE(os.lstat(area.path).st_mode) == 0o600
 
 
-@as_root
-def test_a_directory_another_user_made_at_our_name_is_refused(root: Path) -> None:
-    theirs = root / f"kvstore-{os.geteuid()}"
+def test_a_directory_another_user_made_at_our_name_is_refused(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine runs as OTHER_UID here, and the directory at its name is this process's: one
+    # made by another user, without needing root to give it away.
+    theirs = root / f"kvstore-{OTHER_UID}"
     theirs.mkdir(mode=0o777)
     theirs.chmod(0o777)
-    _give_away(theirs)
-    with pytest.raises(ConfigError, match=f"owned by uid {OTHER_UID}"):
+    maker = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: OTHER_UID)
+    with pytest.raises(ConfigError, match=f"owned by uid {maker}"):
         StagingArea(8192, root)
+    monkeypatch.undo()
     assert _files_under(theirs) == []  # nothing of ours was created where they can read it
 
 
