@@ -16,14 +16,19 @@ the token builds its environment without those two (tests/security/test_ray_auth
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
-from kvstore.runtime.cluster import LocalCluster
+if TYPE_CHECKING:
+    from kvstore.runtime.cluster import LocalCluster
 
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[LocalCluster]:
+    # Imported here so that suites without Ray (the GPU machine's `-m cuda`) can collect.
+    from kvstore.runtime.cluster import LocalCluster
+
     cluster = LocalCluster.start(num_machines=3)
     try:
         yield cluster

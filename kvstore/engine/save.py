@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvstore.engine._torch import engine_thread, index_tensor, torch_module
+from kvstore.engine._torch import engine_thread, index_tensor, load_row_kernels, torch_module
 from kvstore.engine.rows import KVRows
 from kvstore.errors import InvalidArgument, SwapInError
 
@@ -167,6 +167,8 @@ class Gatherer:
         self.torch = torch_module()
         self.cuda = rows.cuda
         self.stream: Any = self.torch.cuda.Stream(device=rows.device) if self.cuda else None
+        if self.cuda:
+            load_row_kernels(rows.rows[0], self.stream)
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         if not self.cuda:

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.engine._torch import engine_thread, index_tensor, torch_module
+from kvstore.engine._torch import engine_thread, index_tensor, load_row_kernels, torch_module
 from kvstore.engine.rows import KVRows, as_ids, run_start
 from kvstore.engine.staging import StagedSource, StagingArea
 from kvstore.errors import InvalidArgument, LoadTimeout, SwapInError
@@ -158,6 +158,7 @@ class SwapIn:
         self.pinned_staging = False
         if self.cuda:
             self._stream = self._torch.cuda.Stream(device=rows.device)
+            load_row_kernels(rows.rows[0], self._stream)
             if area is not None:
                 self._register(area)
         self._queue: queue.Queue[_Task | None] = queue.Queue()
