@@ -341,7 +341,7 @@ def summarize(figures: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def measure(seconds: float) -> dict[str, Any]:
+def measure(seconds: float, abuses: tuple[str, ...] = ABUSES) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch:
         tokens_file = _tokens_file(Path(scratch) / "tokens.toml")
         with kvstore_up(Path(scratch) / "data", "--tokens-file", str(tokens_file)) as address:
@@ -361,9 +361,12 @@ def measure(seconds: float) -> dict[str, Any]:
             phases = {"alone": summarize(engines.run(seconds))}
             bob = Bob(address, prompts, fingerprint)
             bob.prepare(size)
-            for name, abuses in [*((a, (a,)) for a in ABUSES), ("every abuse at once", ABUSES)]:
+            phases_of_bob = [(a, (a,)) for a in abuses]
+            if len(abuses) > 1:
+                phases_of_bob.append(("every abuse at once", abuses))
+            for name, doing in phases_of_bob:
                 print(f"alice while bob: {name}, {seconds:g} s ...", file=sys.stderr)
-                bob.start(abuses)
+                bob.start(doing)
                 try:
                     phases[name] = summarize(engines.run(seconds))
                 finally:
@@ -409,10 +412,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument(
+        "--abuse",
+        action="append",
+        choices=ABUSES,
+        metavar="NAME",
+        help="run only this abuse's phase (repeatable; default: each, then all at once). "
+        f"One of: {'; '.join(ABUSES)}",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.seconds <= 300:
         parser.error("--seconds: must be in [1, 300]")
-    results = measure(args.seconds)
+    results = measure(args.seconds, tuple(args.abuse or ABUSES))
     if args.json:
         print(json.dumps(results, indent=2, default=str))
     else:

@@ -127,7 +127,7 @@ class MalformedRequest:
     """What a request that is not a decodable protobuf message becomes (instead of the UNKNOWN
     status grpc would answer before any kvstore code runs)."""
 
-    def __init__(self, message_type: str, error: Exception) -> None:
+    def __init__(self, message_type: str, error: Exception | str) -> None:
         self.message_type = message_type
         self.error = error
 
@@ -135,8 +135,13 @@ class MalformedRequest:
         return f"request: not a valid {self.message_type} message ({self.error})"
 
 
-def _safe_parser(message_class: Any) -> Callable[[bytes], Any]:
+def _safe_parser(message_class: Any, max_bytes: int) -> Callable[[bytes], Any]:
     def parse(data: bytes) -> Any:
+        if len(data) > max_bytes:
+            return MalformedRequest(
+                message_class.DESCRIPTOR.full_name,
+                f"{len(data)} bytes, more than any valid one holds ({max_bytes})",
+            )
         try:
             return message_class.FromString(data)
         except DecodeError as error:
@@ -188,14 +193,18 @@ def _guard_stream_unary(method: Any) -> Any:
 
 def add_servicer(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
     """Register the KVStore methods like the generated ``add_KVStoreServicer_to_server``, but
-    with parsers that turn undecodable bytes into INVALID_ARGUMENT naming the message type."""
+    with parsers that turn undecodable bytes, or more bytes than any valid request of the method
+    holds (``GatewayLimits.request_bytes``: not parsed at all), into INVALID_ARGUMENT naming the
+    message type."""
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["KVStore"].methods:
         request_class = getattr(pb, method.input_type.name)
         response_class = getattr(pb, method.output_type.name)
         implementation = getattr(servicer, method.name)
         options = {
-            "request_deserializer": _safe_parser(request_class),
+            "request_deserializer": _safe_parser(
+                request_class, servicer.limits.request_bytes(method.name)
+            ),
             "response_serializer": response_class.SerializeToString,
         }
         if method.client_streaming:

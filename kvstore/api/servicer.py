@@ -34,6 +34,7 @@ import numpy as np
 from kvstore.api.auth import Authenticator
 from kvstore.api.budget import MIB, BudgetLimits, ByteBudget
 from kvstore.api.metrics import ApiMetrics, CachedStats
+from kvstore.api.shares import CostShares
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import ConfigError, InvalidArgument, KVStoreError, Overloaded, grpc_status_name
@@ -150,6 +151,9 @@ class GatewayLimits:
     #: Requests and streams one tenant may have in flight at once: its share of the gateway's
     #: ``max_in_flight``, so no tenant takes every slot.
     tenant_in_flight: int = 64
+    #: Blocks of QueryHit one tenant may have running at once (``kvstore.api.shares``): one
+    #: lookup at the prompt cap, or hundreds of an engine's ordinary ones.
+    tenant_blocks_in_flight: int = 8_192
     #: How old the figures GetStats answers with may be (per tenant).
     stats_max_age_s: float = 1.0
     #: The largest message the server takes (the server sets it from
@@ -163,6 +167,20 @@ class GatewayLimits:
     connection_age_s: float = 3600.0
     budget: BudgetLimits = field(default_factory=BudgetLimits)
 
+    def request_bytes(self, method: str) -> int:
+        """The largest request message ``method`` can validly take: one larger is refused
+        before it is parsed (parsing holds the event loop: a 16 MiB QueryHit took ~25 ms)."""
+        room = 64 * 1024  # a layout's fingerprint, a class, a lease id and the framing
+        if method == "QueryHit":  # token ids as varints of at most 5 bytes, or the keys
+            return (
+                max(5 * self.max_tokens, (KEY_BYTES + 3) * self.max_tokens // BLOCK_TOKENS) + room
+            )
+        if method == "GetBlocks":
+            return (KEY_BYTES + 3) * MAX_KEYS_PER_REQUEST + room
+        if method in ("PutBlocks", "PutSWAState"):
+            return self.message_bytes
+        return room
+
     def __post_init__(self) -> None:
         for name in (
             "max_tokens",
@@ -170,6 +188,7 @@ class GatewayLimits:
             "get_batch_bytes",
             "max_streams_per_connection",
             "tenant_in_flight",
+            "tenant_blocks_in_flight",
             "message_bytes",
         ):
             if getattr(self, name) < 1:
@@ -227,11 +246,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._max_in_flight = max_in_flight
         self._limits = limits or GatewayLimits()
         self._budget = ByteBudget(self._limits.budget)
+        # Lookups wait for their tenant's share as long as puts wait for bytes.
+        self._shares = CostShares(self._limits.tenant_blocks_in_flight, self._limits.budget.wait_s)
         self._rates = RateLimiter()
         self._in_flight = 0
         self._tenant_in_flight: Counter[str] = Counter()
         self._stats: dict[str, CachedStats] = {}
         self._metrics = metrics
+
+    @property
+    def limits(self) -> GatewayLimits:
+        return self._limits
 
     # --- plumbing ------------------------------------------------------------------------
 
@@ -322,8 +347,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             self._leave(call)
 
     async def _query_hit(self, call: _Call, request: Any, context: Any) -> Any:
-        view = call.view
         hit = await self._validate(context, "QueryHit", lambda: self._hit_request(request))
+        blocks = hit.block_count()
+        try:
+            async with self._shares.admit(call.tenant.name, blocks):
+                return await self._answer_hit(call, hit, bool(request.block_keys_packed), context)
+        except Overloaded as error:  # its share stayed full for the whole wait
+            await self._abort(context, "QueryHit", error)
+
+    async def _answer_hit(self, call: _Call, hit: HitRequest, packed: bool, context: Any) -> Any:
+        view = call.view
         tokens = hit.token_ids
         if tokens is not None:
             # Hashed here, once, under the layout's fingerprint; long prompts in the pool.
@@ -342,7 +375,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             awaited=(lambda: view.query_hit_async(hit)) if view.async_capable else None,
         )
         plan = answer.plan
-        packed = bool(request.block_keys_packed)
         return pb.QueryHitResponse(
             plan=pb.HitPlan(
                 prompt_len=plan.prompt_len,

@@ -33,7 +33,7 @@ from typing import Any
 
 from kvstore import wire
 from kvstore.fastcall import handshake
-from kvstore.fastcall.admission import HandshakeSlots
+from kvstore.fastcall.admission import HandshakeSlots, Slot
 from kvstore.fastcall.budget import BUDGET_WAIT_S, INFLIGHT_BYTES, Budget
 from kvstore.fastcall.frames import IO_TIMEOUT_S, FastConnection, FrameTooLarge, call_of
 from kvstore.fastcall.handshake import Endpoint
@@ -108,6 +108,7 @@ class FastCallServer:
             "served": served,
             "handshakes": self._handshakes.held(),
             "turned_away": self._handshakes.turned_away,
+            "evicted": self._handshakes.evicted,
             "refused_busy": budget.refused,
             "inflight_bytes": budget.held,
             "inflight_peak": budget.peak,
@@ -131,17 +132,17 @@ class FastCallServer:
                     return
                 time.sleep(0.01)  # out of descriptors or the like: try again, do not spin
                 continue
-            source = str(address[0])
-            if not self._handshakes.take(source):
+            slot = self._handshakes.take(str(address[0]), peer)
+            if slot is None:
                 peer.close()  # unauthenticated peers cost a thread each: no more than this
                 continue
-            threading.Thread(target=self._serve, args=(peer, source), daemon=True).start()
+            threading.Thread(target=self._serve, args=(peer, slot), daemon=True).start()
 
-    def _serve(self, peer: socket.socket, source: str) -> None:
+    def _serve(self, peer: socket.socket, slot: Slot) -> None:
         try:
             conn = self._handshake(peer)
         finally:
-            self._handshakes.give(source)
+            self._handshakes.give(slot)
         if conn is None:
             return
         with conn:

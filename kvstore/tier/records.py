@@ -158,6 +158,13 @@ class HitRequest:
         """The prompt's length in tokens."""
         return self.prompt_len
 
+    def block_count(self) -> int:
+        """How many full blocks the lookup covers (its keys, or its token ids' full blocks):
+        what it costs the tier."""
+        if self.block_keys is not None:
+            return int(self.block_keys.shape[0])  # type: ignore[union-attr]
+        return self.prompt_len // BLOCK_TOKENS
+
     def words(self, fingerprint: bytes, blocks: int | None = None) -> np.ndarray:
         """The keys of the prompt's first ``blocks`` full blocks (all: None) as (n, 4) words:
         the keys given, or the token ids hashed under ``fingerprint`` (blocks past ``blocks``

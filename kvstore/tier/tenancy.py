@@ -53,6 +53,9 @@ from kvstore.tier.records import (
 DEFAULT_MAX_LEASES = 10_000
 #: How old the stored-bytes figure a quota is checked against may be.
 _USAGE_MAX_AGE_S = 1.0
+#: Lookups of more blocks than this have their keys namespaced off the event loop (~0.15 µs a
+#: key a namespace: 512 keys are well under a tenth of a millisecond).
+_INLINE_NAMESPACE_BLOCKS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +132,16 @@ class TenantView:
 
     async def query_hit_async(self, request: HitRequest) -> HitAnswer:
         hits = self._async
+        loop = asyncio.get_running_loop()
         if hits is None:
-            return await asyncio.get_running_loop().run_in_executor(None, self.query_hit, request)
-        steps = self._steps(self._prepare(request))
+            return await loop.run_in_executor(None, self.query_hit, request)
+        if request.block_count() > _INLINE_NAMESPACE_BLOCKS:
+            # A large lookup's keys are renamed in the pool (the hash releases the GIL): on
+            # the loop, 8,192 keys held every other request back ~1.2 ms per namespace.
+            prepared = await loop.run_in_executor(None, self._prepare, request)
+        else:
+            prepared = self._prepare(request)
+        steps = self._steps(prepared)
         asked = next(steps)
         while True:
             if len(asked) == 1:  # one part: awaited as it is (no task for the loop)

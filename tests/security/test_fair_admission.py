@@ -25,6 +25,7 @@ from test_gateway_bounds import MIB, _rss_mib, small_gateway
 
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.keys import BLOCK_TOKENS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -163,3 +164,57 @@ def test_one_cap_on_the_prompt_whichever_form_its_keys_take(
         )
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "at most 8192 keys" in (error.value.details() or "")
+
+
+def test_a_request_larger_than_any_valid_one_is_refused_unparsed(
+    stub: pb_grpc.KVStoreStub, tenants: Tenants
+) -> None:
+    """A QueryHit of 4M token ids (16 MiB less a little, under the server's message limit)
+    is refused for its size before it is parsed: parsing it held the event loop for everyone.
+    (Before, it was parsed, then refused for its token count.)"""
+    tokens = pb.QueryHitRequest(token_ids=[2**31] * (3 << 20))  # 5 bytes each: 15 MiB
+    with pytest.raises(grpc.RpcError) as error:
+        stub.QueryHit(tokens, metadata=tenants.auth("bob"), timeout=60)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than any valid one holds" in (error.value.details() or ""), error.value.details()
+    # The largest valid request still goes through.
+    largest = pb.QueryHitRequest(token_ids=[2**31] * (1 << 20), take_lease=False)
+    reply = stub.QueryHit(largest, metadata=tenants.auth("bob"), timeout=60)
+    assert reply.plan.prompt_len == 1 << 20
+
+
+def test_large_lookups_wait_for_their_tenants_share_and_never_hold_back_another(
+    tenants: Tenants,
+) -> None:
+    """Admission by cost: bob's 8,192-key lookups run one share (8,192 blocks) at a time; with a
+    wait of 1 ms those that find his share full are refused, naming it, while alice's small
+    lookups, asked at the same time, all go through. (Before, admission counted requests: the
+    benchmark's 8 concurrent 8,192-key lookups raised alice's QueryHit p50 5×.)"""
+    widest = pb.QueryHitRequest(
+        block_keys_packed=os.urandom(32 * 8192), prompt_len=8192 * BLOCK_TOKENS, take_lease=False
+    )
+    with small_gateway(tenants, tenant_blocks_in_flight=8192, budget_wait_s=0.001) as address:
+        own = [("grpc.use_local_subchannel_pool", 1)]
+        channels = [grpc.insecure_channel(address, options=own) for _ in range(2)]
+        try:
+            bob, alice = (pb_grpc.KVStoreStub(channel) for channel in channels)
+            floods = [
+                bob.QueryHit.future(widest, metadata=tenants.auth("bob"), timeout=60)
+                for _ in range(16)
+            ]
+            for _ in range(10):
+                reply = alice.QueryHit(
+                    pb.QueryHitRequest(token_ids=list(range(1000)), take_lease=False),
+                    metadata=tenants.auth("alice"),
+                    timeout=30,
+                )
+                assert reply.plan.prompt_len == 1000
+            refused = [f.exception(timeout=60) for f in floods]
+        finally:
+            for channel in channels:
+                channel.close()
+    codes = [error.code() if error is not None else grpc.StatusCode.OK for error in refused]
+    assert grpc.StatusCode.OK in codes  # his share runs
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    details = {error.details() for error in refused if error is not None}
+    assert all("its share is 8192" in detail for detail in details), details

@@ -166,18 +166,41 @@ def test_the_budget_holds_at_most_its_limit_and_says_why_it_refused() -> None:
 
 def test_one_source_holds_only_its_share_of_the_handshake_slots() -> None:
     slots = HandshakeSlots(limit=4, per_source=2)
-    assert slots.take("10.0.0.9") and slots.take("10.0.0.9")
-    assert not slots.take("10.0.0.9")  # its share is spent: others still find room
-    assert slots.take("10.0.0.1") and slots.take("10.0.0.2")
-    assert not slots.take("10.0.0.3")  # every slot taken
-    slots.give("10.0.0.9")
-    assert slots.take("10.0.0.3") and not slots.take("10.0.0.3")
-    assert (slots.held(), slots.turned_away) == (4, 3)
-    for source in ("10.0.0.9", "10.0.0.1", "10.0.0.2", "10.0.0.3"):
-        slots.give(source)
-    assert slots.held() == 0 and not slots._held  # nothing kept per address once it is gone
+    mine = [slots.take("10.0.0.9"), slots.take("10.0.0.9")]
+    assert all(mine) and not slots.take("10.0.0.9")  # its share is spent: others find room
+    others = [slots.take("10.0.0.1"), slots.take("10.0.0.2")]
+    assert all(others) and slots.held() == 4
+    slots.give(others[0])
+    assert slots.take("10.0.0.3") and slots.held() == 4
+    assert slots.turned_away == 1 and slots.evicted == 0
     with pytest.raises(ValueError, match="per_source"):
         HandshakeSlots(limit=2, per_source=3)
+
+
+def test_when_full_the_busiest_sources_oldest_handshake_makes_room() -> None:
+    """A flood spread over many addresses fills every slot within its shares; a newcomer from a
+    quieter source then takes the busiest source's oldest slot, whose socket is shut."""
+    slots = HandshakeSlots(limit=4, per_source=2)
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        oldest = slots.take("10.0.0.9", pairs[0][0])
+        second = slots.take("10.0.0.9", pairs[1][0])
+        rest = [slots.take("10.0.0.1"), slots.take("10.0.0.2")]
+        assert oldest and second and all(rest)
+        newcomer = slots.take("10.0.0.3")
+        assert newcomer is not None and slots.evicted == 1 and slots.held() == 4
+        assert pairs[0][0].recv(1) == b""  # the evicted peer's socket was shut: its thread ends
+        slots.give(oldest)  # the evicted peer's own give comes later: a no-op
+        assert slots.held() == 4
+        # Every source now holds one: equals are left alone, the newcomer is turned away.
+        assert slots.take("10.0.0.4") is None and slots.evicted == 1
+        for slot in (second, *rest, newcomer):
+            slots.give(slot)
+        assert slots.held() == 0 and not slots._held  # nothing kept per address once gone
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
 
 
 # --- the package ------------------------------------------------------------------------------
