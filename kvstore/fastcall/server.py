@@ -99,13 +99,15 @@ class FastCallServer:
         threading.Thread(target=self._accept_loop, name="fastcall-accept", daemon=True).start()
 
     def stats(self) -> dict[str, Any]:
-        """Calls served per method, requests refused ``busy``, request bytes held now and at
-        the most so far, peers in the handshake now and turned away (no slot) so far."""
+        """Calls served per method, whether in TLS, requests refused ``busy``, request bytes held
+        now and at the most so far, peers in the handshake now and turned away (no slot) so
+        far."""
         budget = self._budget
         with self._counting:
             served = dict(self._served)
         return {
             "served": served,
+            "tls": self._tls is not None,
             "handshakes": self._handshakes.held(),
             "turned_away": self._handshakes.turned_away,
             "refused_busy": budget.refused,
