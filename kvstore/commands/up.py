@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 import threading
@@ -13,6 +14,7 @@ from types import FrameType
 from kvstore.api.server import ServerOptions, is_loopback, read_token_file
 from kvstore.config import ServiceConfig
 from kvstore.errors import ConfigError, InvalidArgument
+from kvstore.fastcall.tls import INSECURE_ENV, FastcallConfig, check_plaintext
 from kvstore.geometry import PRESET_NAMES
 from kvstore.tenants import TenantDirectory
 
@@ -25,7 +27,10 @@ the SWA tier (a state store per machine + the entrypoint directory) and the GC w
 Without --address an embedded local Ray cluster is started (loopback only, Ray token auth
 on); --address HOST:PORT (or "auto") joins an existing one. The gateway binds 127.0.0.1 unless
 --host says otherwise, and beyond loopback it refuses to start without TLS and an identity
-(--tokens-file, --token-file or --tls-client-ca) unless --insecure is given.
+(--tokens-file, --token-file or --tls-client-ca) unless --insecure is given. The data plane
+(the direct sockets of storage nodes, meta shards and the SWA tier) listens on each Ray node's
+address: beyond loopback it refuses to start without TLS (KVSTORE_FASTCALL_TLS_CERT, _KEY and
+_CA in the environment, the same files on every machine) unless --insecure is given too.
 
 Tenants: with --tokens-file every token maps to a tenant whose keys live in a namespace of its
 own (derived from the secret in --tenant-secret-file), with the quotas and traffic classes the
@@ -100,7 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--insecure",
         action="store_true",
-        help="serve beyond loopback without TLS or without an identity (not advised)",
+        help="serve beyond loopback without TLS or without an identity (not advised): the "
+        "gateway, and the data plane's sockets on other machines without "
+        "KVSTORE_FASTCALL_TLS_* (sets KVSTORE_FASTCALL_INSECURE=1 for the actors)",
     )
     parser.add_argument(
         "--capacity-bytes",
@@ -158,6 +165,29 @@ def _tenants(options: ServerOptions, data_dir: Path, classes: tuple[str, ...]) -
     return directory
 
 
+def _data_plane(insecure: bool) -> FastcallConfig:
+    """The data plane's setting, checked before Ray starts (a bad TLS variable costs no
+    cluster). ``--insecure`` covers it too: put in this process's environment, deploy hands it
+    on to every actor it starts (``tls_env_options``)."""
+    if insecure:
+        os.environ[INSECURE_ENV] = "1"
+    config = FastcallConfig.from_env()
+    config.tls.sides(serving=True)
+    return config
+
+
+def _check_data_plane(config: FastcallConfig) -> list[str]:
+    """Each actor's sockets listen on its Ray node's address, and refuse plaintext beyond
+    loopback as they start; asked here of the nodes there are, before anything is deployed,
+    so the operator gets one line instead of actors dying on every machine. Answers the
+    addresses served in plaintext beyond loopback because of ``--insecure`` (to warn of)."""
+    from kvstore.runtime.cluster import node_addresses
+
+    tls = bool(config.tls.cert)  # a whole setting (``TLSConfig``): a certificate serves TLS
+    addresses = sorted(set(node_addresses().values()))
+    return [a for a in addresses if check_plaintext(a, tls, config.insecure)]
+
+
 def meta_shards_for(cpus: int) -> int:
     """One meta shard per 2 CPUs of the cluster, 1 to 8. Measured on 2 cores: QueryHit at
     concurrency 16 went from 337 QPS with 4 shards to 401 with 1."""
@@ -190,7 +220,9 @@ def run(args: argparse.Namespace) -> int:
         name = flag if hasattr(args, field) else error.field
         raise InvalidArgument(name, error.detail) from None
     tenants = _tenants(options, args.data_dir, config.blockstore.traffic_classes)
+    data_plane = _data_plane(args.insecure)
     connect(args.address)
+    plaintext = _check_data_plane(data_plane)
     if args.meta_shards is None:
         blocks = config.blockstore.with_overrides(meta_shards=meta_shards_for(cluster_cpus()))
         config = dataclasses.replace(config, blockstore=blocks)
@@ -230,6 +262,12 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     "kvstore: WARNING --insecure: reachable beyond loopback without TLS or "
                     "without an identity",
+                    file=sys.stderr,
+                )
+            if plaintext:
+                print(
+                    "kvstore: WARNING --insecure: the data plane serves every tenant's KV in "
+                    f"plaintext on {', '.join(plaintext)} (no KVSTORE_FASTCALL_TLS_*)",
                     file=sys.stderr,
                 )
             if gateway.metrics_port is not None:

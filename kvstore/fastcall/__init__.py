@@ -16,8 +16,9 @@ The map, one module per job (this ``__init__`` imports none of them):
 - ``frames``: the wire framing (length-prefixed frames on a plain or TLS socket, what a call
   and a reply frame hold, the remote errors a caller sees, waiting on many connections);
 - ``handshake``: the mutual HMAC challenge on the actor's key, both sides of it;
-- ``tls``: the TLS setting (``TLSConfig``, read through ``kvstore.envconfig``), its contexts
-  and the bounded TLS handshake;
+- ``tls``: the operator's setting (``FastcallConfig``: TLS and insecure, read through
+  ``kvstore.envconfig``), where a server may listen in plaintext (loopback, or insecure:
+  ``check_plaintext``), the TLS contexts and the bounded TLS handshake;
 - ``admission``: the handshake slots of a server, shared fairly by source address;
 - ``budget``: the in-flight byte budget of a server;
 - ``server``: ``FastCallServer``, serving an object's methods;

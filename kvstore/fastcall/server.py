@@ -18,6 +18,9 @@ What makes it safe to listen:
   arguments (``frames``); any other frame drops the peer.
 - **No serving for a dead actor**: once the node's raylet (this process's parent) is gone, the
   socket stops answering.
+- **No plaintext beyond loopback**: a server told to listen on any other address without TLS
+  refuses to start (``ConfigError`` naming the address and the two ways out) unless the
+  operator said insecure (``tls.check_plaintext``); then it warns.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from kvstore.fastcall.admission import HandshakeSlots, Slot
 from kvstore.fastcall.budget import BUDGET_WAIT_S, INFLIGHT_BYTES, Budget
 from kvstore.fastcall.frames import IO_TIMEOUT_S, FastConnection, FrameTooLarge, call_of
 from kvstore.fastcall.handshake import Endpoint
-from kvstore.fastcall.tls import ServerTLS, tls_handshake
+from kvstore.fastcall.tls import FastcallConfig, ServerTLS, check_plaintext, tls_handshake
 from kvstore.wire import MAX_FRAME_BYTES, Buffer, WireError
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,9 @@ class FastCallServer:
     ``kvstore.fastcall.handshake``), in its own thread, so a slow or silent peer never holds up
     the others. ``max_inflight_bytes``, ``budget_wait_s`` and ``io_timeout_s`` bound the request
     bytes held at once and how long a peer may hold them (``kvstore.fastcall.budget``).
+
+    Without ``tls``, ``host`` must be loopback unless ``insecure`` (``tls.check_plaintext``):
+    refused before anything listens. ``from_env`` takes both from the operator's setting.
     """
 
     def __init__(
@@ -75,7 +81,16 @@ class FastCallServer:
         max_inflight_bytes: int = INFLIGHT_BYTES,
         budget_wait_s: float = BUDGET_WAIT_S,
         io_timeout_s: float = IO_TIMEOUT_S,
+        insecure: bool = False,
     ) -> None:
+        # Checked here, where every server starts, before the socket exists: nothing listens
+        # in plaintext beyond loopback, not even for a moment, unless the operator said so.
+        if check_plaintext(host, tls is not None, insecure):
+            log.warning(
+                "fastcall: serving %s in plaintext (insecure): every tenant's KV crosses the "
+                "network in the clear",
+                host,
+            )
         self._target = target
         self._methods = frozenset(methods)
         self._lock = lock
@@ -98,14 +113,42 @@ class FastCallServer:
         self._parent = os.getppid()
         threading.Thread(target=self._accept_loop, name="fastcall-accept", daemon=True).start()
 
+    @classmethod
+    def from_env(
+        cls,
+        target: object,
+        methods: Collection[str],
+        lock: threading.Lock,
+        host: str,
+        frame_limit: int = MAX_FRAME_BYTES,
+        max_inflight_bytes: int = INFLIGHT_BYTES,
+    ) -> FastCallServer:
+        """A server with this process's data-plane setting (``FastcallConfig``: TLS where it
+        is set, plaintext beyond loopback only under ``KVSTORE_FASTCALL_INSECURE``): what the
+        actors start, with the setting deploy handed on to them (``tls_env_options``)."""
+        config = FastcallConfig.from_env()
+        server_tls, _ = config.tls.sides(serving=True)
+        return cls(
+            target,
+            methods,
+            lock,
+            host,
+            tls=server_tls,
+            frame_limit=frame_limit,
+            max_inflight_bytes=max_inflight_bytes,
+            insecure=config.insecure,
+        )
+
     def stats(self) -> dict[str, Any]:
-        """Calls served per method, requests refused ``busy``, request bytes held now and at
-        the most so far, peers in the handshake now and turned away (no slot) so far."""
+        """Calls served per method, whether in TLS, requests refused ``busy``, request bytes held
+        now and at the most so far, peers in the handshake now and turned away (no slot) so
+        far."""
         budget = self._budget
         with self._counting:
             served = dict(self._served)
         return {
             "served": served,
+            "tls": self._tls is not None,
             "handshakes": self._handshakes.held(),
             "turned_away": self._handshakes.turned_away,
             "evicted": self._handshakes.evicted,

@@ -1,23 +1,27 @@
-"""TLS around the direct sockets: the operator's setting, its contexts, the bounded handshake.
+"""TLS around the direct sockets: the operator's setting, where plaintext may listen, the
+contexts, the bounded handshake.
 
-TLS (off by default: on loopback it buys nothing) wraps the socket before the key challenge,
-for calls between machines: without it, a machine in the path could still read or alter the
-frames of a connection after its handshake. An operator turns it on through the environment,
-the same in every process of the cluster: ``TLSConfig`` is read by the one environment loader
-(``kvstore.envconfig``) from ``KVSTORE_FASTCALL_TLS_<FIELD>``; ``tls_from_env`` gives a
-process's two sides (``ServerTLS``, ``ClientTLS``), and deploy hands the setting on to the
-actors it starts (``tls_env_options``).
+TLS wraps the socket before the key challenge, for calls between machines: without it, a machine
+in the path could read or alter the frames of a connection after its handshake, and those
+frames carry every tenant's KV. On loopback it buys nothing, so there it is off unless set;
+beyond loopback a server refuses plaintext (``check_plaintext``) unless the operator says
+insecure, as the gateway does. An operator sets both through the environment, the same in every
+process of the cluster: ``FastcallConfig`` is read by the one environment loader
+(``kvstore.envconfig``) from ``KVSTORE_FASTCALL_TLS_<FIELD>`` (``TLSConfig``) and
+``KVSTORE_FASTCALL_INSECURE``; ``tls_from_env`` gives a process's two sides (``ServerTLS``,
+``ClientTLS``), and deploy hands the setting on to the actors it starts (``tls_env_options``).
 """
 
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
 import select
 import ssl
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore import envconfig
@@ -30,6 +34,11 @@ TLS_KEY_ENV = TLS_ENV_PREFIX + "KEY"
 TLS_CA_ENV = TLS_ENV_PREFIX + "CA"
 TLS_SERVER_NAME_ENV = TLS_ENV_PREFIX + "SERVER_NAME"
 TLS_ENV = (TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV, TLS_SERVER_NAME_ENV)
+#: The whole data-plane setting: ``<prefix>TLS_<FIELD>`` and ``<prefix>INSECURE``.
+FASTCALL_ENV_PREFIX = "KVSTORE_FASTCALL_"
+#: The operator's word that servers may listen beyond loopback in plaintext (``kvstore up
+#: --insecure`` sets it).
+INSECURE_ENV = FASTCALL_ENV_PREFIX + "INSECURE"
 
 
 @dataclass(frozen=True)
@@ -148,20 +157,75 @@ class TLSConfig:
         return {name: value for name, value in zip(TLS_ENV, values, strict=True) if value}
 
 
+@dataclass(frozen=True)
+class FastcallConfig:
+    """The operator's data-plane setting, read whole by the one environment loader: ``tls``
+    from ``KVSTORE_FASTCALL_TLS_<FIELD>`` (``TLSConfig``), ``insecure`` from
+    ``KVSTORE_FASTCALL_INSECURE`` (servers may listen beyond loopback without TLS:
+    ``check_plaintext``)."""
+
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    insecure: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FastcallConfig:
+        """Read the ``KVSTORE_FASTCALL_*`` variables (an empty value counts as unset)."""
+        return envconfig.from_env(cls, FASTCALL_ENV_PREFIX, environ)
+
+    def env_vars(self) -> dict[str, str]:
+        """The variables that make this setting (the ones set), to hand on to another process."""
+        return {**self.tls.env_vars(), **({INSECURE_ENV: "1"} if self.insecure else {})}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` is reachable from this machine only: an IP address in
+    127.0.0.0/8 or ``::1`` (IPv4-mapped ``::ffff:127.x`` too). A name is not resolved and counts
+    as beyond loopback: it could resolve to another interface, or differently tomorrow, and the
+    servers are handed IP addresses (their Ray node's). The wildcards (``""``, ``0.0.0.0``,
+    ``::``) listen on every interface: beyond loopback."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def check_plaintext(host: str, tls: bool, insecure: bool) -> bool:
+    """Whether a server may listen on ``host`` (with ``tls`` or without): raises ``ConfigError``
+    when it would serve plaintext beyond loopback and the operator did not say ``insecure``;
+    True when it serves plaintext beyond loopback because they did (warn), False otherwise.
+    Its socket calls carry every tenant's KV: in the clear on a network, anyone in the path
+    reads them and can alter them after the key challenge."""
+    if tls or is_loopback(host):
+        return False
+    if insecure:
+        return True
+    raise ConfigError(
+        TLS_CERT_ENV,
+        f"the data plane would listen on {host}, beyond loopback, in plaintext: every tenant's "
+        f"KV would cross the network in the clear. Set {TLS_CERT_ENV}, {TLS_KEY_ENV} and "
+        f"{TLS_CA_ENV} (TLS, in every process of the cluster: docs/security.md), or "
+        f"{INSECURE_ENV}=1 (`kvstore up --insecure`) to serve plaintext anyway",
+    )
+
+
 def tls_from_env(
     environ: Mapping[str, str] | None = None, *, serving: bool = False
 ) -> tuple[ServerTLS | None, ClientTLS | None]:
     """The fastcall TLS setting of this process (``environ``: ``os.environ`` when None):
     ``(server, client)``, checked whole (``TLSConfig``, ``TLSConfig.sides``)."""
-    return TLSConfig.from_env(environ).sides(serving=serving)
+    return FastcallConfig.from_env(environ).tls.sides(serving=serving)
 
 
 def tls_env_options(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Actor options handing this process's TLS variables on to an actor it starts (``{}`` when
-    none is set). A Ray worker is started by its node's raylet, with the raylet's environment,
-    not the deploying process's. The setting is checked here as for a server (the actors serve),
-    so a bad one fails the deploy instead of every actor's start."""
-    config = TLSConfig.from_env(environ)
-    config.sides(serving=True)
+    """Actor options handing this process's data-plane setting (TLS, insecure) on to an actor
+    it starts (``{}`` when none is set). A Ray worker is started by its node's raylet, with the
+    raylet's environment, not the deploying process's. The TLS setting is checked here as for
+    a server (the actors serve), so a bad one fails the deploy instead of every actor's
+    start."""
+    config = FastcallConfig.from_env(environ)
+    config.tls.sides(serving=True)
     env_vars = config.env_vars()
     return {"runtime_env": {"env_vars": env_vars}} if env_vars else {}

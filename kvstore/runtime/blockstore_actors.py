@@ -41,7 +41,7 @@ from kvstore.blockstore.repair import HealthTracker, Repairer
 from kvstore.blockstore.repairloop import RepairLoop
 from kvstore.errors import StoreError
 from kvstore.fastcall.server import FastCallServer
-from kvstore.fastcall.tls import tls_env_options, tls_from_env
+from kvstore.fastcall.tls import tls_env_options
 from kvstore.keys import BlockKey
 from kvstore.runtime.fanout import RayFanout
 from kvstore.runtime.forwards import forwards
@@ -141,13 +141,13 @@ class StorageNodeActor:
         self._timeout = call_timeout_s
         self._lock = threading.Lock()
         self._ray_calls: Counter[str] = Counter()  # data calls that came through Ray instead
-        # TLS where the operator set it (the environment deploy handed on: actor_options).
-        self._fast = FastCallServer(
+        # TLS where the operator set it, plaintext beyond loopback only where they said
+        # insecure (the data-plane setting deploy handed on: actor_options).
+        self._fast = FastCallServer.from_env(
             self._served(),
             NODE_FAST_NAMES,
             self._lock,
             ray.util.get_node_ip_address(),
-            tls=tls_from_env(serving=True)[0],
             frame_limit=NODE_FRAME_BYTES,
             max_inflight_bytes=NODE_INFLIGHT_BYTES,
         )
@@ -252,14 +252,13 @@ class MetaShardActor:
         self._lock = threading.Lock()
         self._rebuild_report: dict[str, object] = {}
         # Lookups and the write calls also come over a direct socket (the module doc), in TLS
-        # where the operator set it (the environment deploy handed on: actor_options).
+        # where the operator set it (the data-plane setting deploy handed on: actor_options).
         self._ray_calls: Counter[str] = Counter()  # fast-plane calls that came through Ray
-        self._fast = FastCallServer(
+        self._fast = FastCallServer.from_env(
             self._meta,
             META_FAST_NAMES,
             self._lock,
             ray.util.get_node_ip_address(),
-            tls=tls_from_env(serving=True)[0],
         )
         self._start_rebuild()
 

@@ -38,7 +38,7 @@ from kvstore.blockstore.fanout import Ticket, gather, gathered
 from kvstore.clock import SystemClock
 from kvstore.errors import InvalidArgument, NodeUnavailable, StateRejected, StoreError
 from kvstore.fastcall.server import FastCallServer
-from kvstore.fastcall.tls import tls_env_options, tls_from_env
+from kvstore.fastcall.tls import tls_env_options
 from kvstore.keys import BlockKey
 from kvstore.pending import Pending
 from kvstore.runtime.blockstore_actors import find_actor
@@ -115,14 +115,13 @@ class SWAEntrypointActor:
         self._shard = DirectoryShard(shard_id, owner_timeout_s=owner_timeout_s, clock=SystemClock())
         # Lookups (a hit query's second round) also come over a direct socket, served by
         # another thread: the lock keeps the shard single-threaded. TLS where the operator set
-        # it (the environment deploy_swa handed on).
+        # it (the data-plane setting deploy_swa handed on).
         self._lock = threading.Lock()
-        self._fast = FastCallServer(
+        self._fast = FastCallServer.from_env(
             self._shard,
             ("lookup",),
             self._lock,
             ray.util.get_node_ip_address(),
-            tls=tls_from_env(serving=True)[0],
         )
 
     def fast_endpoint(self) -> tuple[str, int, bytes]:
@@ -203,14 +202,13 @@ class SWAStoreActor:
         # died) never delays the heartbeats that keep this store alive in the other shards.
         loop = asyncio.get_running_loop()
         # Fetches from other nodes come over a direct socket (the module doc), in TLS where
-        # the operator set it (the environment deploy_swa handed on). The lock only orders
+        # the operator set it (the data-plane setting deploy_swa handed on). The lock only orders
         # the socket's own calls: the agent is reached through the loop.
-        self._fast = FastCallServer(
+        self._fast = FastCallServer.from_env(
             _SocketFetch(self._agent, loop, self._node, config.call_timeout_s),
             ("fetch",),
             threading.Lock(),
             ray.util.get_node_ip_address(),
-            tls=tls_from_env(serving=True)[0],
         )
         self._loops = [loop.create_task(self._expiry_loop())]
         self._loops += [loop.create_task(self._heartbeat_loop(s)) for s in shards]

@@ -9,9 +9,14 @@ Hosts: ``head`` (Ray's GCS, kvstore's control plane and its gRPC gateway, no sto
 there are fewer hosts than nodes, and places a stripe's shards at most ceil(12 / N) to a host),
 and ``client`` (a Ray node with no storage: where engines, benchmarks and replays run).
 
+The data plane (the direct sockets of storage nodes, meta shards and the SWA tier) runs TLS,
+as it must between machines (it refuses plaintext beyond loopback): ``up`` makes one
+self-signed certificate for every host's address, and ``env`` points every process at it
+(``KVSTORE_FASTCALL_TLS_CERT``/``_KEY``, and ``_CA`` the same file: clients check the chain).
+
 Everything a testbed makes is under one run directory (``/tmp/<name>-<random>``, fresh and
-private: ``rundir``; the Ray token, Ray's temp dir, the gateway's TLS certificate and bearer
-token, logs) and one set of
+private: ``rundir``; the Ray token, Ray's temp dir, the gateway's and the data plane's TLS
+certificates, the gateway's bearer token, logs) and one set of
 network namespaces (``<name>-<host>``); ``testbed.json`` there lets another process attach to it
 (``Testbed.attach``) or take it down (``down``). Teardown kills every process on every host,
 deletes the namespaces and the run directory, and checks that nothing is left (``leftovers``):
@@ -35,6 +40,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.fastcall.tls import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV
 from kvstore.privatefs import create_private_file
 from kvstore.runtime.cluster import LocalClusterConfig
 from kvstore.runtime.upprocess import TierProcess
@@ -48,6 +54,8 @@ RUN_ROOT = Path("/tmp")
 STATE_FILE = "testbed.json"
 HEAD, CLIENT = "head", "client"
 GATEWAY_PORT = 50051
+#: The data plane's certificate and key, in the run directory.
+FASTCALL_DIR = "fastcall"
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,7 @@ class Testbed:
             create_private_file(token, secrets.token_hex(32).encode(), "ray token")
             say(f"network: {len(config.hosts())} hosts on a bridge")
             network = Network.create(name, config.hosts(), mtu=config.mtu)
+            _data_plane_certificate(run_dir, [network.address(h) for h in config.hosts()])
             ray = HostCluster(
                 network,
                 head=HEAD,
@@ -232,8 +241,17 @@ class Testbed:
     # --- using it ------------------------------------------------------------------------------
 
     def env(self, **extra: str) -> dict[str, str]:
-        """The environment of a kvstore or Ray process on any host of this testbed."""
-        return {**self.ray.env(), **self.extra_env, **extra}
+        """The environment of a kvstore or Ray process on any host of this testbed: the data
+        plane in TLS (``fastcall_env``) for whatever deploys or calls the tier there."""
+        return {**self.ray.env(), **self.fastcall_env(), **self.extra_env, **extra}
+
+    def fastcall_env(self) -> dict[str, str]:
+        """The data plane's TLS setting: the certificate ``up`` made, its own CA (clients check
+        the chain alone; the key challenge inside proves the actor). The hosts share this
+        machine's filesystem, so the paths are the same on each, as the setting asks."""
+        folder = self.run_dir / FASTCALL_DIR
+        cert = str(folder / "server.pem")
+        return {TLS_CERT_ENV: cert, TLS_KEY_ENV: str(folder / "server.key"), TLS_CA_ENV: cert}
 
     def run(
         self, host: str, argv: Sequence[str], timeout_s: float = 600.0, **extra_env: str
@@ -291,15 +309,29 @@ class Testbed:
         }
 
 
-def _self_signed(cert: Path, key: Path, address: str) -> None:
-    """A self-signed EC certificate for the gateway at ``address`` (testbed only)."""
+def _self_signed(
+    cert: Path, key: Path, *addresses: str, common_name: str = "kvstore-testbed"
+) -> None:
+    """A self-signed EC certificate for servers at ``addresses`` (testbed only)."""
+    names = ",".join(f"IP:{address}" for address in addresses)
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-days", "2", "-subj", "/CN=kvstore-testbed",
-         "-addext", f"subjectAltName=IP:{address}", "-keyout", str(key), "-out", str(cert)],
+         "-nodes", "-days", "2", "-subj", f"/CN={common_name}",
+         "-addext", f"subjectAltName={names}", "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
     os.chmod(key, 0o600)
+
+
+def _data_plane_certificate(run_dir: Path, addresses: Sequence[str]) -> None:
+    """The data plane's certificate (``Testbed.fastcall_env``), for every host's address, in
+    a private folder of the run directory, checked first as the gateway's secrets are."""
+    check_private(run_dir)
+    folder = run_dir / FASTCALL_DIR
+    folder.mkdir(mode=0o700)
+    check_private(folder)
+    cert, key = folder / "server.pem", folder / "server.key"
+    _self_signed(cert, key, *addresses, common_name="kvstore-testbed-data-plane")
 
 
 def testbeds(run_root: Path = RUN_ROOT) -> list[Path]:

@@ -28,6 +28,8 @@ def test_a_host_cut_off_for_30_s_under_load_loses_nothing_and_comes_back_quietly
     assert details["swa"]["named_before"] > 0 and details["swa"]["named_after_hidden"] == 0
     assert details["repair"]["shards_on_host"] > 0
     assert details["foreign_sockets"] == {"mid_partition": {}, "end": {}}
+    plane = details["data_plane"]  # the data plane between hosts: TLS, and it carried the load
+    assert plane["tls"] == plane["sockets"] > 0 and plane["served"] > 0, plane
     assert row["ok"]
 
 

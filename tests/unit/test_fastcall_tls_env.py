@@ -16,6 +16,7 @@ from kvstore.fastcall.client import FastChannel, connect
 from kvstore.fastcall.frames import wait_ready
 from kvstore.fastcall.server import FastCallServer
 from kvstore.fastcall.tls import (
+    INSECURE_ENV,
     TLS_CA_ENV,
     TLS_CERT_ENV,
     TLS_ENV,
@@ -148,7 +149,7 @@ def test_a_whole_setting_round_trips_a_call_over_tls(full: dict[str, str]) -> No
 def test_the_setting_reaches_fanouts_and_actors(
     full: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in TLS_ENV:
+    for name in (*TLS_ENV, INSECURE_ENV):
         monkeypatch.delenv(name, raising=False)
     assert RayFanout({})._fast._tls is None
     assert "runtime_env" not in actor_options("a")  # nothing set: nothing added

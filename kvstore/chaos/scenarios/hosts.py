@@ -13,7 +13,8 @@ hosts crosses a veth pair and a bridge.
     while the link is down, no committed block is lost, and when the host is back (its Ray
     restarted by the host's supervisor when the GCS declared it dead meanwhile) the repair
     goes idle: it repairs no stripe twice and nothing after the host returned. Each host's
-    TCP sockets are checked mid-partition and at the end: test range and loopback only.
+    TCP sockets are checked mid-partition and at the end: test range and loopback only; every
+    storage node's and meta shard's direct socket served the load, in TLS.
 19. ``host-crash``: every process of a storage host killed at once under load (2 storage nodes
     and an SWA store go together): reads degrade, puts stay whole, the repair restores full
     redundancy on the other hosts (no stripe with 2 shards on one host), then the host comes
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import ray
 
 from kvstore.blockstore.repairqueue import REFRESH_S
 from kvstore.chaos.load import LoadConfig, LoadGenerator, LoadStats
@@ -140,6 +142,19 @@ def _reads(result: ScenarioResult, stats: LoadStats, since: float, until: float)
     before = stats.percentile_ms(99, until=since)
     during = stats.percentile_ms(99, since, until)
     result.details["get_p99_ms"] = {"before": before, "during_fault": during}
+
+
+def _data_plane(result: ScenarioResult, tier: ChaosTier) -> None:
+    """The data plane between the hosts is the one real machines run: every storage node's and
+    meta shard's direct socket serves TLS (the testbed's setting: beyond loopback plaintext is
+    refused) and the load's calls came over them, not through Ray."""
+    handles = [*tier.handles.nodes.values(), *tier.handles.metas]
+    sockets = [s["fastcall"] for s in ray.get([h.stats.remote() for h in handles], timeout=60)]
+    served = sum(sum(fast["served"].values()) for fast in sockets)
+    in_tls = sum(1 for fast in sockets if fast["tls"])
+    result.details["data_plane"] = {"sockets": len(sockets), "tls": in_tls, "served": served}
+    result.require(in_tls == len(sockets), "a data-plane socket serves plaintext between hosts")
+    result.require(served > 0, "no call came over the data plane's sockets")
 
 
 def _final(result: ScenarioResult, tier: ChaosTier) -> None:
@@ -316,6 +331,7 @@ def partition(tier: ChaosTier) -> ScenarioResult:
     sockets_end = _foreign_sockets(tier)
     result.details["foreign_sockets"] = {"mid_partition": sockets_mid, "end": sockets_end}
     result.require(sockets_mid == {} and sockets_end == {}, "a socket outside the test range")
+    _data_plane(result, tier)
     _final(result, tier)
     return result
 
