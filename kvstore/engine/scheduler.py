@@ -32,6 +32,7 @@ from typing import Any
 
 from kvstore.engine.groups import EngineGroups
 from kvstore.engine.plan import PagedLoad, PagedSave, StateSave, StepPlan, describe
+from kvstore.engine.worth import LoadWorth, Verdict
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BLOCK_TOKENS, BlockKey, block_keys
 from kvstore.tier.protocols import HitSource
@@ -69,6 +70,8 @@ class _Tracked:
     loading: PagedLoad | None = None
     #: A load of this request went to the worker already.
     load_sent: bool = False
+    #: Load or recompute, once judged (``LoadWorth``).
+    verdict: Verdict | None = None
 
 
 class PagedScheduler:
@@ -88,13 +91,16 @@ class PagedScheduler:
         load: bool = True,
         save: bool = True,
         reads_end_leases: bool = True,
+        worth: LoadWorth | None = None,
+        block_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``groups``: the engine's KV-cache groups (None: one full-attention group).
         ``reads_end_leases``: the worker's read with a lease ends it (the gRPC gateway
         does); False for a tier whose leases only this process can end (an in-cluster
         ``ClusterTier``: the fetcher reads with the id unknown), so the scheduler ends each
-        load's lease when it plans the step after it."""
+        load's lease when it plans the step after it. ``worth``: judges whether a hit is
+        faster to load than to compute (``block_bytes`` a block; None: always load)."""
         self._hits = hits
         self._reads_end_leases = reads_end_leases
         self._sent_leases: list[str] = []
@@ -112,8 +118,13 @@ class PagedScheduler:
         self._down_until = 0.0
         self._requests: dict[str, _Tracked] = {}
         self._next = StepPlan()
+        self.worth = worth
+        self._block_bytes = block_bytes
         self.lookups = 0
         self.lookup_failures = 0
+        #: Hits turned down because computing them was judged faster than loading them.
+        self.recomputed = 0
+        self._recomputing = False
 
     @property
     def asynchronous_loads(self) -> bool:
@@ -174,8 +185,41 @@ class PagedScheduler:
         if self._sliding and hit <= num_computed_tokens:
             # The window at the engine's own hit came with it; a shorter tier hit adds nothing.
             hit = 0
-        self._requests[request_id].computed = num_computed_tokens
-        return max(hit - num_computed_tokens, 0)
+        tracked = self._requests[request_id]
+        tracked.computed = num_computed_tokens
+        extra = max(hit - num_computed_tokens, 0)
+        if extra and not self._worth_loading(request_id, tracked, extra):
+            return 0  # the engine computes it; ``allocated`` with 0 gives the lease back
+        return extra
+
+    def _worth_loading(self, request_id: str, tracked: _Tracked, tokens: int) -> bool:
+        """Whether loading ``tokens`` of hit beats computing them (judged once a request)."""
+        if self.worth is None:
+            return True
+        if tracked.verdict is None:
+            tracked.verdict = self.worth.verdict(tokens, tokens // BLOCK_TOKENS * self._block_bytes)
+            if not tracked.verdict.load:
+                self.recomputed += 1
+            if tracked.verdict.load == self._recomputing:
+                # The tier just turned slow (or fast again): said once, not per request.
+                self._recomputing = not tracked.verdict.load
+                log.warning(
+                    "kvstore: %s: %d tokens cached in the tier: %s%s",
+                    request_id,
+                    tokens,
+                    tracked.verdict.describe(),
+                    "; hits are recomputed instead of loaded while the tier is this slow"
+                    if self._recomputing
+                    else "",
+                )
+            elif not tracked.verdict.load:
+                log.info(
+                    "kvstore: %s: %d tokens recomputed instead of loaded (%s)",
+                    request_id,
+                    tokens,
+                    tracked.verdict.describe(),
+                )
+        return tracked.verdict.load
 
     def allocated(self, request_id: str, block_ids: Tables, num_external: int) -> None:
         """The engine gave the request ``block_ids`` (its whole block table, one per KV-cache

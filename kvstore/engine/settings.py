@@ -61,6 +61,9 @@ class ConnectorSettings:
     max_pending_save_bytes: int = 256 * 1024 * 1024
     load: bool = True
     save: bool = True
+    #: Accept a tier hit only when loading it is faster than computing it, by this engine's
+    #: measured rates (``kvstore.engine.worth``); false: always load.
+    load_only_if_faster: bool = True
     #: Names the model in the key fingerprint instead of the path or hub id vLLM was given
     #: (set it when one model is reached under two names, or two weights under one name).
     model_id: str | None = None
@@ -93,7 +96,7 @@ class ConnectorSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(name, f"must be a number of seconds > 0, got {value!r}")
-        for name in ("load", "save"):
+        for name in ("load", "save", "load_only_if_faster"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.staging_dir is not None and not Path(self.staging_dir).is_dir():

@@ -29,6 +29,10 @@ of kvstore that imports vLLM.
   ("fail") such a request fails instead, so the connector warns at start-up.
 - A tier that is down makes lookups misses after ``lookup_timeout_s`` (then misses without
   asking for ``retry_after_s``); saves to it fail in the background; the engine serves on.
+- A hit is accepted only when loading it is faster than computing it, by this engine's
+  measured rates (``kvstore.engine.worth``: loads timed by the worker side and reported with
+  each step's output, prefill steps timed by the scheduler side); a slow tier's hits are
+  recomputed, and the log says so. ``load_only_if_faster: false`` always loads.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -53,6 +58,7 @@ from kvstore.engine.plan import StepPlan, describe
 from kvstore.engine.scheduler import PagedScheduler
 from kvstore.engine.settings import ConnectorSettings, EngineLayout, engine_fingerprint
 from kvstore.engine.worker import PagedWorker
+from kvstore.engine.worth import LoadWorth
 from kvstore.errors import ConfigError
 from kvstore.keys import BLOCK_TOKENS
 
@@ -63,6 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -73,6 +80,17 @@ class KVStoreMetadata(KVConnectorMetadata):
     """One step's plan, scheduler → worker."""
 
     plan: StepPlan
+
+
+@dataclass
+class KVStoreWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker → scheduler, with a step's output: (bytes, seconds) of each load finished."""
+
+    loads: list[tuple[int, float]]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVStoreWorkerMeta)
+        return KVStoreWorkerMeta(self.loads + other.loads)
 
 
 def _settings(vllm_config: VllmConfig) -> ConnectorSettings:
@@ -219,6 +237,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 retry_after_s=self.settings.retry_after_s,
                 load=self.settings.load,
                 save=self.settings.save,
+                worth=LoadWorth() if self.settings.load_only_if_faster else None,
+                block_bytes=self.tier_layout.block_bytes,
             )
             log.info(
                 "kvstore: %s, %s, %d layers (%s), %s hits; blocks of %d B%s; tier %s",
@@ -333,6 +353,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         results = self.get_transfer_results(finished_req_ids)
         return (results.finished_sending or None), (results.finished_recving or None)
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        figures = self.worker.take_load_figures() if self.worker is not None else []
+        return KVStoreWorkerMeta(figures) if figures else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()
 
@@ -387,7 +411,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 table=new_ids if resumed and new_ids is not None else None,
                 appended=() if resumed or new_ids is None else new_ids,
             )
-        return KVStoreMetadata(self.scheduler.build())
+        plan = self.scheduler.build()
+        worth = self.scheduler.worth
+        if worth is not None:
+            worth.step_planned(scheduler_output.total_num_scheduled_tokens, bool(plan.loads))
+        return KVStoreMetadata(plan)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        worth = self.scheduler.worth if self.scheduler is not None else None
+        if worth is not None and isinstance(meta, KVStoreWorkerMeta):
+            for nbytes, seconds in meta.loads:
+                worth.loaded(nbytes, seconds)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -124,6 +124,7 @@ class PagedWorker:
         #: Asynchronous loads finished since the engine last asked (all of them / the failed).
         self._loaded: set[str] = set()
         self._load_failed: set[str] = set()
+        self._load_figures: list[tuple[int, float]] = []
         self._gathered: dict[str, int] = {}
         self._awaiting: dict[str, int] = {}
         self._held: dict[str, tuple[StateSave, bytes]] = {}
@@ -244,12 +245,24 @@ class PagedWorker:
         if result.state_loaded:
             stats.states_loaded += 1
             stats.state_bytes_loaded += self.kv.state_bytes
-        stats.load_seconds += time.perf_counter() - entry.started
+        ended = time.perf_counter()
+        stats.load_seconds += ended - entry.started
         staged = entry.staged
         first, last = (staged.staged_at[0], staged.staged_at[-1]) if staged else (None, None)
         if first is not None and last is not None:
             stats.read_seconds += first - entry.started
             stats.staged_seconds += last - entry.started
+        moved = result.blocks_loaded * self.kv.block_bytes
+        if moved:
+            with self._lock:
+                self._load_figures.append((moved, (last or ended) - entry.started))
+
+    def take_load_figures(self) -> list[tuple[int, float]]:
+        """(bytes, seconds from start to last layer staged) of each load finished since the
+        last call: what the scheduler side's ``LoadWorth`` learns the tier's speed from."""
+        with self._lock:
+            figures, self._load_figures = self._load_figures, []
+        return figures
 
     def _save_bytes(self, save: PagedSave) -> int:
         return len(save.block_ids) * self.kv.block_bytes + (
