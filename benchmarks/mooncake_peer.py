@@ -119,11 +119,11 @@ class MooncakeStore:
     def start(cls, scratch: Path, timeout_s: float = 60.0) -> MooncakeStore:
         """Master and pool up and serving; raises ``RuntimeError`` (their logs' ends) if not."""
         scratch.mkdir(parents=True, exist_ok=True)
+        config = scratch / "mooncake.json"
+        config.write_text(json.dumps(STORE_CONFIG))
         holder = subprocess.Popen(
             ["unshare", "-n", "sleep", str(HOLDER_LIFETIME_S)], preexec_fn=_die_with_parent
         )
-        config = scratch / "mooncake.json"
-        config.write_text(json.dumps(STORE_CONFIG))
         store = cls(scratch, holder, config)
         try:
             store._up(timeout_s)

@@ -1,7 +1,7 @@
 """Time to first token of a real vLLM engine: cold, vLLM's own cache, warm from kvstore and, in
 the same run, warm from Mooncake Store.
 
-    python benchmarks/vllm_ttft.py              # ~10 min on 2 cores: 8K-token prompt, 3 x 3
+    python benchmarks/vllm_ttft.py              # ~6 min on 2 cores: 8K-token prompt, 3 x 3
     python benchmarks/vllm_ttft.py --peers none --runs 5 --tokens 12288 --json
     python benchmarks/vllm_ttft.py --model gemma3  # a hybrid model: sliding + full layers
 
