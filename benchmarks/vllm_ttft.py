@@ -1,34 +1,46 @@
-"""Time to first token of a real vLLM engine: cold, warm from kvstore, and vLLM's own cache.
+"""Time to first token of a real vLLM engine: cold, vLLM's own cache, warm from kvstore and, in
+the same run, warm from Mooncake Store.
 
-    python benchmarks/vllm_ttft.py              # ~6 min on 2 cores: 8K-token prompt, 3 runs
-    python benchmarks/vllm_ttft.py --runs 5 --tokens 12288 --json
+    python benchmarks/vllm_ttft.py              # ~6 min on 2 cores: 8K-token prompt, 3 x 3
+    python benchmarks/vllm_ttft.py --peers none --runs 5 --tokens 12288 --json
     python benchmarks/vllm_ttft.py --model gemma3  # a hybrid model: sliding + full layers
 
-Needs vLLM (the README's "Use with vLLM" venv). Builds a small random Llama (4 layers, hidden
-512, 4 KV heads of 64: one 128-token block is 1 MiB of float32 KV) or, with ``--model gemma3``,
-a Gemma-3 of the same shape whose layers alternate a 128-token sliding window and full attention
-(vLLM's hybrid KV-cache manager on: the full layers' blocks come from the block tier, the sliding
-layers' window state from the SWA tier), starts a real `kvstore up`
-(its own process, gRPC on 127.0.0.1, no GC) and runs every engine in a fresh process
-(``python -m kvstore.engine.vllm_run``, one process per engine), each first serving a
-short unrelated prompt so that start-up costs are not in any figure:
+Needs vLLM (the README's "Use with vLLM" venv); the Mooncake peer needs Mooncake in that venv
+and root (``--peers``). By default the model is issue 32's: a random Llama of 8 layers, hidden
+768, 6 KV heads of 64, in bfloat16 (12 KiB of KV per token; one 128-token block 1.5 MiB), the
+prompt 8,192 tokens. ``--model gemma3`` builds a Gemma-3 of the same shape whose layers
+alternate a 128-token sliding window and full attention (vLLM's hybrid KV-cache manager on: the
+full layers' blocks come from the block tier, the sliding layers' window state from the SWA
+tier). ``--layers 4 --hidden 512 --dtype float32 --requests 1 --peers none`` is this
+benchmark's shape before issue 32 (1 MiB float32 blocks).
 
-- seed: an engine with the connector serves the prompt once (cold, and saving every block);
-- per run, engine X (no connector, vLLM's prefix cache on) serves the prompt twice: the first
-  is **cold** (everything computed), the second is **local** (vLLM's own prefix cache, in
-  memory: the upper bound of any external cache);
-- per run, engine Y (**fresh**, connector on, vLLM's prefix cache off) serves it once: **warm**,
-  every block but the last loaded from kvstore.
+It starts a real `kvstore up` (its own process, gRPC on 127.0.0.1, no GC) and, with the peer,
+Mooncake's master and a standalone 2 GB pool (``benchmarks/mooncake_peer.py``: they and every
+Mooncake engine run in a private network namespace, since Mooncake binds 0.0.0.0). Every engine
+runs in a fresh process (``python -m kvstore.engine.vllm_run``, the same code for both peers)
+and first serves a short unrelated prompt, so that start-up costs are not in any figure:
 
-Reported: medians over the runs, the ratios warm/cold and warm/local, the bytes loaded per
-KV-cache group (for the hybrid model: the sliding layers load one window, not the prefix), the
-load's GB/s (bytes over the time from the load's start to its last layer staged), the time
-until the tier's answer (the read), and how much of the load overlapped the engine's own work
-(1 − the time the forward waited on it / the load's time). Warm TTFT minus the forward's wait
-is what the warm request cost besides the load: compare it with the local TTFT.
+- seeds: an engine with kvstore's connector, and one with Mooncake's, serve the prompt once
+  (cold, and saving every block into their store);
+- per run, engine X (no connector, vLLM's prefix cache on) serves the prompt 1 + ``--requests``
+  times: the first is **cold** (everything computed), the others are **local** (vLLM's own
+  prefix cache, in memory: the upper bound of any external cache);
+- per run, a **fresh** engine with kvstore's connector and one with Mooncake's (vLLM's prefix
+  cache off in both) serve it ``--requests`` times each: **warm**, every block but the last
+  loaded from the store (both load whole blocks and compute the last 128 tokens).
 
-Every shard is read through its storage node, as in a multi-machine deployment (the tier has
-no same-machine shortcut), although all 12 nodes share this machine here.
+Reported: one table of every setup's median TTFT over all its requests (and range), its ratio
+to local and to cold, and whether it gave the cold run's exact tokens; then kvstore / Mooncake,
+Mooncake / local, issue 16's targets for kvstore, kvstore's load (bytes per KV-cache group; for
+the hybrid model the sliding layers load one window, not the prefix), its GB/s (bytes over the
+time from the load's start to its last layer staged), the time until the tier's answer (the
+read), and how much of the load overlapped the engine's own work (1 − the time the forward
+waited on it / the load's time). Warm TTFT minus the forward's wait is what the warm request
+cost besides the load: compare it with the local TTFT. Exit status 1 if a setup's tokens
+differ from the cold run's.
+
+Every kvstore shard is read through its storage node, as in a multi-machine deployment (the
+tier has no same-machine shortcut), although all 12 nodes share this machine here.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import os
 import statistics
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +61,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.mooncake_peer import INSTALL, MooncakeStore  # noqa: E402
+from benchmarks.mooncake_peer import missing as mooncake_missing  # noqa: E402
 from kvstore.engine.tiny_gemma import TinyGemma3, build_tiny_gemma3  # noqa: E402
 from kvstore.engine.tiny_model import TinyLlama, build_tiny_llama  # noqa: E402
 from kvstore.engine.vllm_run import fresh_engine  # noqa: E402
@@ -57,45 +72,135 @@ from kvstore.runtime.upprocess import TierProcess  # noqa: E402
 WARM_OVER_COLD = 0.25
 WARM_OVER_LOCAL = 2.0
 
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+#: The setups, in the table's order, and their names there.
+SETUPS = {
+    "cold": "cold (no cache)",
+    "local": "vLLM local prefix cache",
+    "warm": "warm from kvstore (fresh engine)",
+    "mooncake": "warm from Mooncake (fresh engine)",
+    "seed": "seed, kvstore: cold, saves",
+    "mooncake_seed": "seed, Mooncake: cold, saves",
+}
+
+EPILOG = f"""\
+defaults: issue 32's setup (Llama, 8 layers, hidden 768, bfloat16: 12 KiB of KV per token;
+an 8,192-token prompt; 3 fresh engines x 3 requests each, medians over the 9).
+
+peers: --peers auto (the default) measures Mooncake Store when it can run here, and otherwise
+measures the rest and says that the peer was skipped and why; --peers mooncake requires it
+(exit 2 if it cannot run); --peers none leaves it out. To install it: {INSTALL}.
+Mooncake's master, its pool and its engines run in a private network namespace (only loopback
+up: Mooncake binds 0.0.0.0), all stopped on exit.
+
+exit status: 1 if a setup's tokens differ from the cold run's, 2 if something is missing."""
+
 
 def engine(spec: dict[str, Any], scratch: Path, label: str) -> dict[str, Any]:
     """One engine in a fresh process; its ``vllm_run`` answer."""
     done = fresh_engine(spec, scratch, env=dict(os.environ, VLLM_LOGGING_LEVEL="WARNING"))
     if done.result is None:
         raise RuntimeError(f"engine {label} failed:\n{done.stderr[-3000:]}")
-    took = ", ".join(f"{r['seconds']:.2f} s" for r in done.result["results"])
+    return progress(label, done.result)
+
+
+def progress(label: str, answer: dict[str, Any]) -> dict[str, Any]:
+    took = ", ".join(f"{r['seconds']:.2f} s" for r in answer["results"])
     print(f"  engine {label}: {took}", file=sys.stderr)
-    return done.result
+    return answer
 
 
 def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:
     return {k: after[k] - before.get(k, 0) for k in after}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=3, help="runs to take medians of (>= 3)")
+def hits(answer: dict[str, Any], expected: int, label: str) -> list[dict[str, Any]]:
+    """The prompt's requests of a warm engine (all but the warm-up), each checked to have
+    taken ``expected`` tokens from its store: a shorter hit would time something else."""
+    served = answer["results"][1:]
+    for i, measured in enumerate(served):
+        if measured["num_cached_tokens"] != expected:
+            raise RuntimeError(
+                f"engine {label}, request {i}: {measured['num_cached_tokens']} tokens from its "
+                f"store, expected {expected}"
+            )
+    return served
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--runs", type=int, default=3, help="fresh engines per setup (>= 3)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=3,
+        help="requests of the prompt per warm or local engine (medians over runs x requests)",
+    )
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (default 8192)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
+    parser.add_argument("--hidden", type=int, default=768, help="heads of 64, KV heads hidden/128")
+    parser.add_argument(
+        "--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16", help="of weights and KV"
+    )
     parser.add_argument(
         "--model",
         choices=("llama", "gemma3"),
         default="llama",
         help="dense Llama (default) or hybrid Gemma-3 (sliding-window + full layers)",
     )
+    parser.add_argument(
+        "--peers",
+        choices=("auto", "mooncake", "none"),
+        default="auto",
+        help="Mooncake Store in the same run: if it can run here (default), required, or not",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     if args.runs < 3:
         parser.error("--runs must be at least 3 (medians)")
+    if args.requests < 1:
+        parser.error("--requests must be at least 1")
     if args.tokens < 1024:
         parser.error("--tokens must be at least 1024")
+    return args
+
+
+def mooncake_skipped(args: argparse.Namespace) -> str | None:
+    """Why Mooncake is left out of this run (None: it is measured)."""
+    if args.peers == "none":
+        return "left out (--peers none)"
+    why = mooncake_missing()
+    return None if why is None else f"cannot run here: {why}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         import vllm  # noqa: F401
     except ImportError:
         print("vLLM is not installed here: see the README's 'Use with vLLM'", file=sys.stderr)
         return 2
+    skipped = mooncake_skipped(args)
+    if skipped is not None:
+        if args.peers == "mooncake":
+            print(f"Mooncake Store {skipped}; to install: {INSTALL}", file=sys.stderr)
+            return 2
+        print(f"Mooncake Store peer skipped: {skipped}", file=sys.stderr)
+    figures = measure(args, mooncake=skipped is None)
+    figures["peers"] = {"mooncake": "measured" if skipped is None else f"skipped: {skipped}"}
+    if args.json:
+        print(json.dumps(figures, indent=2))
+    else:
+        report(figures)
+    return 0 if all(o["same_tokens"] for o in figures["outputs"].values()) else 1
 
+
+def measure(args: argparse.Namespace, *, mooncake: bool) -> dict[str, Any]:
     kv_heads = max(args.hidden // 128, 1)
     shape: TinyLlama | TinyGemma3
     if args.model == "llama":
@@ -117,143 +222,221 @@ def main(argv: list[str] | None = None) -> int:
             intermediate=2 * args.hidden,
             max_positions=args.tokens + 512,
         )
-    # One 128-token block of one layer's float32 KV (K and V), and of all layers.
-    page_bytes = 2 * kv_heads * 64 * 128 * 4
+    # One 128-token block of one layer's KV (K and V), and of all layers.
+    page_bytes = 2 * kv_heads * 64 * 128 * DTYPE_BYTES[args.dtype]
     block_bytes = page_bytes * args.layers
     rng = np.random.default_rng(16)
     prompt = [int(t) for t in rng.integers(2, shape.vocab, args.tokens)]
     warmup = [int(t) for t in rng.integers(2, shape.vocab, 300)]
     expected_hit = (args.tokens - 1) // 128 * 128
-    with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as scratch_dir:
+    # Per setup, every measured request's answer (tokens, logprobs, seconds, ...).
+    served: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
+    loads: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as scratch_dir, ExitStack() as stack:
         scratch = Path(scratch_dir)
-        print(f"building the model ({shape}) ...", file=sys.stderr)
+        print(f"building the model ({shape}, {args.dtype}) ...", file=sys.stderr)
         if isinstance(shape, TinyLlama):
             model = build_tiny_llama(scratch / "model", shape)
         else:
             model = build_tiny_gemma3(scratch / "model", shape)
         print("starting kvstore up ...", file=sys.stderr)
         # No size flag: the engine's connector names its model's layout.
-        with TierProcess.start(scratch / "tier", "--fsync", "never", "--no-gc") as tier:
-            base = {
-                "model": str(model),
-                "max_tokens": 1,
-                "kv_cache_bytes": max(256 << 20, 3 * (args.tokens // 128 + 8) * block_bytes),
-                "max_model_len": args.tokens + 64,
-            }
-            connector = {"address": tier.address, "lookup_timeout_s": 10.0}
-            seed = engine(
-                {**base, "prompts": [warmup, prompt], "connector": connector}, scratch, "seed"
+        tier = stack.enter_context(
+            TierProcess.start(scratch / "tier", "--fsync", "never", "--no-gc")
+        )
+        store = None
+        if mooncake:
+            print("starting Mooncake's master and pool ...", file=sys.stderr)
+            store = stack.enter_context(MooncakeStore.start(scratch / "mooncake"))
+        base = {
+            "model": str(model),
+            "max_tokens": 1,
+            "dtype": args.dtype,
+            "kv_cache_bytes": max(256 << 20, 3 * (args.tokens // 128 + 8) * block_bytes),
+            "max_model_len": args.tokens + 64,
+        }
+        connector = {"address": tier.address, "lookup_timeout_s": 10.0}
+        warm_prompts = [warmup] + [prompt] * args.requests
+        seed = engine(
+            {**base, "prompts": [warmup, prompt], "connector": connector}, scratch, "seed"
+        )
+        served["seed"].append(seed["results"][1])
+        if store is not None:
+            answer = progress("mooncake-seed", store.engine({**base, "prompts": [warmup, prompt]}))
+            served["mooncake_seed"].append(answer["results"][1])
+        for run in range(args.runs):
+            x = engine(
+                {
+                    **base,
+                    "prompts": [warmup] + [prompt] * (1 + args.requests),
+                    "prefix_caching": True,
+                },
+                scratch,
+                f"x{run}",
             )
-            rows: dict[str, list[float]] = {"cold": [], "local": [], "warm": []}
-            loads: list[dict[str, float]] = []
-            for run in range(args.runs):
-                x = engine(
-                    {**base, "prompts": [warmup, prompt, prompt], "prefix_caching": True},
-                    scratch,
-                    f"x{run}",
-                )
-                rows["cold"].append(x["results"][1]["seconds"])
-                rows["local"].append(x["results"][2]["seconds"])
-                y = engine(
-                    {**base, "prompts": [warmup, prompt], "connector": connector},
-                    scratch,
-                    f"y{run}",
-                )
-                measured = y["results"][1]
-                if measured["num_cached_tokens"] != expected_hit:
-                    raise RuntimeError(
-                        f"run {run}: warm engine took {measured['num_cached_tokens']} tokens "
-                        f"from kvstore, expected {expected_hit}"
-                    )
-                rows["warm"].append(measured["seconds"])
-                loads.append(delta(measured["worker"], y["results"][0]["worker"]))
+            served["cold"].append(x["results"][1])
+            served["local"] += x["results"][2:]
+            label = f"y{run}"
+            y = engine({**base, "prompts": warm_prompts, "connector": connector}, scratch, label)
+            served["warm"] += hits(y, expected_hit, label)
+            for before, after in zip(y["results"], y["results"][1:], strict=False):
+                loads.append(delta(after["worker"], before["worker"]))
+            if store is not None:
+                label = f"m{run}"
+                answer = progress(label, store.engine({**base, "prompts": warm_prompts}))
+                served["mooncake"] += hits(answer, expected_hit, label)
+    groups = seed.get("groups") or []
+    return figures_of(args, shape, served, loads, groups, page_bytes, expected_hit)
+
+
+def figures_of(
+    args: argparse.Namespace,
+    shape: TinyLlama | TinyGemma3,
+    served: dict[str, list[dict[str, Any]]],
+    loads: list[dict[str, float]],
+    groups: list[Any],
+    page_bytes: int,
+    expected_hit: int,
+) -> dict[str, Any]:
+    rows = {name: [r["seconds"] for r in results] for name, results in served.items() if results}
     median = {name: statistics.median(values) for name, values in rows.items()}
+    reference = served["cold"][0]
+    outputs = {}
+    for name, results in served.items():
+        if results:
+            outputs[name] = {
+                "same_tokens": all(r["tokens"] == reference["tokens"] for r in results),
+                "max_abs_logprob_diff": max(
+                    (
+                        abs(a - b)
+                        for r in results
+                        for a, b in zip(r["logprobs"], reference["logprobs"], strict=False)
+                    ),
+                    default=0.0,
+                ),
+            }
     bytes_loaded = statistics.median(x["bytes_loaded"] for x in loads)
     state_bytes = statistics.median(x.get("state_bytes_loaded", 0) for x in loads)
-    groups = seed.get("groups") or []
     sliding_layers = sum(len(layers) for kind, layers, _ in groups if kind == "sliding")
     # What the sliding layers would have loaded had they taken the whole prefix, as full
     # attention does: the window rule is what saves it.
     sliding_prefix_bytes = expected_hit // 128 * sliding_layers * page_bytes
-    load_s = statistics.median(x["load_seconds"] for x in loads)
-    wait_s = statistics.median(x["wait_seconds"] for x in loads)
-    read_s = statistics.median(x["read_seconds"] for x in loads)
     staged_s = statistics.median(x["staged_seconds"] for x in loads)
-    figures = {
+    wait_s = statistics.median(x["wait_seconds"] for x in loads)
+    mooncake = median.get("mooncake")
+    return {
         "prompt_tokens": args.tokens,
         "model": {
             "kind": args.model,
             "layers": shape.layers,
             "hidden": shape.hidden,
             "kv_heads": shape.kv_heads,
+            "dtype": args.dtype,
+            "kv_bytes_per_token": page_bytes // 128 * shape.layers,
             "groups": groups,
         },
-        "block_bytes": block_bytes,
+        "block_bytes": page_bytes * shape.layers,
         "runs": args.runs,
+        "requests_per_engine": args.requests,
         "seconds": rows,
         "median_s": median,
-        "seed_cold_with_connector_s": seed["results"][1]["seconds"],
+        "seed_cold_with_connector_s": median["seed"],
         "warm_over_cold": median["warm"] / median["cold"],
         "warm_over_local": median["warm"] / median["local"],
-        "tokens_from_kvstore": expected_hit,
+        "kvstore_over_mooncake": median["warm"] / mooncake if mooncake else None,
+        "mooncake_over_local": mooncake / median["local"] if mooncake else None,
+        "mooncake_over_cold": mooncake / median["cold"] if mooncake else None,
+        "outputs": outputs,
+        "tokens_from_cache": expected_hit,
         "bytes_loaded": bytes_loaded,
         "bytes_loaded_by_group": {
             "full_attention_blocks": bytes_loaded,
             "sliding_window_states": state_bytes,
             "sliding_layers_whole_prefix_would_be": sliding_prefix_bytes,
         },
-        "load_seconds": load_s,
-        "tier_read_seconds": read_s,
+        "load_seconds": statistics.median(x["load_seconds"] for x in loads),
+        "tier_read_seconds": statistics.median(x["read_seconds"] for x in loads),
         "staged_seconds": staged_s,
         "load_gb_per_s": bytes_loaded / staged_s / 1e9 if staged_s else 0.0,
         "forward_waited_s": wait_s,
         "load_overlapped_compute": 1 - wait_s / staged_s if staged_s else 0.0,
         "targets": {"warm_over_cold": WARM_OVER_COLD, "warm_over_local": WARM_OVER_LOCAL},
     }
-    if args.json:
-        print(json.dumps(figures, indent=2))
-        return 0
-    print(f"vLLM TTFT, {args.model}, {args.tokens}-token prompt, medians of {args.runs}")
-    print(f"{'':34}{'TTFT s':>10}{'runs':>30}")
-    names = {
-        "cold": "cold (no cache)",
-        "warm": "warm from kvstore (fresh engine)",
-        "local": "vLLM local prefix cache",
-    }
-    for name in ("cold", "warm", "local"):
-        runs = " ".join(f"{v:.3f}" for v in rows[name])
-        print(f"{names[name]:34}{median[name]:>10.3f}{runs:>30}")
-    print(f"{'seed: cold with connector (saves)':34}{figures['seed_cold_with_connector_s']:>10.3f}")
-    verdict = {
-        True: "met",
-        False: "NOT met",
-    }
+
+
+def report(figures: dict[str, Any]) -> None:
+    model = figures["model"]
+    median, rows, outputs = figures["median_s"], figures["seconds"], figures["outputs"]
     print(
-        f"warm / cold   {figures['warm_over_cold']:.3f}  (target <= {WARM_OVER_COLD}: "
+        f"vLLM TTFT, {model['kind']} ({model['layers']} layers, hidden {model['hidden']}, "
+        f"{model['dtype']}, {model['kv_bytes_per_token'] / 1024:.1f} KiB of KV per token), "
+        f"{figures['prompt_tokens']}-token prompt ({figures['tokens_from_cache']} from a cache); "
+        f"{figures['runs']} fresh engines x {figures['requests_per_engine']} requests, medians"
+    )
+    print(
+        f"{'':36}{'TTFT s':>8}{'min-max (n)':>20}{'/ local':>9}{'/ cold':>8}  same tokens as cold"
+    )
+    for name, title in SETUPS.items():
+        if name not in rows:
+            print(f"{title:36}{'-':>8}  skipped (below)")
+            continue
+        values = rows[name]
+        spread = f"{min(values):.3f}-{max(values):.3f} ({len(values)})"
+        same = outputs[name]
+        check = "yes" if same["same_tokens"] else "NO: differs"
+        print(
+            f"{title:36}{median[name]:>8.3f}{spread:>20}{median[name] / median['local']:>9.2f}"
+            f"{median[name] / median['cold']:>8.3f}  {check} "
+            f"(max |d logprob| {same['max_abs_logprob_diff']:.2g})"
+        )
+    if figures["kvstore_over_mooncake"] is not None:
+        print(
+            f"kvstore / Mooncake  {figures['kvstore_over_mooncake']:.2f}   "
+            f"Mooncake / local  {figures['mooncake_over_local']:.2f}   "
+            f"kvstore / local  {figures['warm_over_local']:.2f}"
+        )
+    else:
+        why = figures["peers"]["mooncake"]
+        install = f"; to install: {INSTALL}" if "cannot run here" in why else ""
+        print(f"Mooncake Store {why}{install}")
+    differ = [SETUPS[name] for name, o in outputs.items() if not o["same_tokens"]]
+    print(
+        "outputs: every setup gave the cold run's tokens"
+        if not differ
+        else f"outputs: NOT the cold run's tokens: {', '.join(differ)}"
+    )
+    verdict = {True: "met", False: "NOT met"}
+    print(
+        f"kvstore warm / cold   {figures['warm_over_cold']:.3f}  (target <= {WARM_OVER_COLD}: "
         f"{verdict[figures['warm_over_cold'] <= WARM_OVER_COLD]})"
     )
     print(
-        f"warm / local  {figures['warm_over_local']:.3f}  (target <= {WARM_OVER_LOCAL}: "
+        f"kvstore warm / local  {figures['warm_over_local']:.3f}  (target <= {WARM_OVER_LOCAL}: "
         f"{verdict[figures['warm_over_local'] <= WARM_OVER_LOCAL]})"
     )
+    loaded, staged_s = figures["bytes_loaded"], figures["staged_seconds"]
     print(
-        f"load: {bytes_loaded / 1e6:.1f} MB ({expected_hit} tokens) staged in {staged_s:.3f} s = "
-        f"{figures['load_gb_per_s']:.3f} GB/s; of that, {read_s:.3f} s until the tier's answer "
-        f"(GetBlocks through the gateway: every block is read before layer 0 is published)"
+        f"kvstore load: {loaded / 1e6:.1f} MB ({figures['tokens_from_cache']} tokens) staged in "
+        f"{staged_s:.3f} s = {figures['load_gb_per_s']:.3f} GB/s; of that, "
+        f"{figures['tier_read_seconds']:.3f} s until the tier's answer (GetBlocks through the "
+        f"gateway: every block is read before layer 0 is published)"
     )
+    by_group = figures["bytes_loaded_by_group"]
+    sliding_layers = sum(len(layers) for kind, layers, _ in model["groups"] if kind == "sliding")
     if sliding_layers:
         print(
-            f"by group: full attention {bytes_loaded / 1e6:.1f} MB of blocks; sliding window "
-            f"{state_bytes / 1e6:.3f} MB of window state ({sliding_layers} layers; their whole "
-            f"prefix would be {sliding_prefix_bytes / 1e6:.1f} MB)"
+            f"by group: full attention {loaded / 1e6:.1f} MB of blocks; sliding window "
+            f"{by_group['sliding_window_states'] / 1e6:.3f} MB of window state ({sliding_layers} "
+            f"layers; their whole prefix would be "
+            f"{by_group['sliding_layers_whole_prefix_would_be'] / 1e6:.1f} MB)"
         )
+    wait_s = figures["forward_waited_s"]
     print(
-        f"the forward waited {wait_s:.3f} s on the load "
+        f"the forward waited {wait_s:.3f} s on kvstore's load "
         f"({figures['load_overlapped_compute']:.0%} of it overlapped the engine's own work); "
         f"warm TTFT - that wait = {median['warm'] - wait_s:.3f} s (local TTFT "
         f"{median['local']:.3f} s)"
     )
-    return 0
 
 
 if __name__ == "__main__":
