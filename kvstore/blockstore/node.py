@@ -437,6 +437,14 @@ class StorageNode:
         self._counters["bytes_read"] += position
         return buffer[:position], lengths
 
+    def shard_sizes(self, keys: Sequence[bytes]) -> list[int]:
+        """Bytes ``get`` would answer for each key (-1: not held), from the index alone: what
+        the engine read socket reserves of its reply budget before it reads
+        (``readserver``)."""
+        rows = [self._committed.get(bytes(key)) for key in keys]
+        sizes = self._index.column("body_len")
+        return [-1 if row is None else int(sizes[row]) for row in rows]
+
     def read_shards(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
         """Like ``get`` but one array per key (None = not held)."""
         return split_shards(self.get(keys))

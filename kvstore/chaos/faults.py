@@ -186,6 +186,7 @@ def make_slow(tier: ChaosTier, node_id: int, delay_s: float) -> Any:
         config.deployment,
         config.meta_shards,
         config.call_timeout_s,
+        tier.handles.read_key(),
         delay_s=delay_s,
     )
     ray.get(handle.ping.remote(), timeout=120)
