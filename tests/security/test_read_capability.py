@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -26,8 +27,9 @@ from kvstore.blockstore.direct import DirectReader
 from kvstore.blockstore.readserver import EngineReadServer
 from kvstore.blockstore.records import BlockLocation
 from kvstore.errors import ConfigError
-from kvstore.fastcall.client import FastChannel, connect
-from kvstore.fastcall.frames import wait_ready
+from kvstore.fastcall.client import FastChannel
+from kvstore.fastcall.frames import FastConnection, wait_ready
+from kvstore.fastcall.handshake import MAGIC, proof
 from kvstore.fastcall.server import UNAUTHENTICATED_S, FastCallServer
 from kvstore.runtime.blockstore_actors import NODE_FAST_NAMES
 
@@ -236,23 +238,31 @@ def test_a_fastcall_frame_is_not_a_call_here(tier: ReadNodes) -> None:
 
 
 def test_the_nodes_fastcall_socket_still_needs_the_node_key(tier: ReadNodes) -> None:
-    """An engine with a valid capability (and no node key) gets nothing from the actor's own
-    socket: its put and delete stay behind the key challenge."""
+    """An engine holding a valid capability (and no node key) gets nothing from the actor's
+    own socket, where put and delete are: its answer to the key challenge, made with what it
+    has, is refused and its delete never runs."""
     node = tier.nodes[10]
     server = FastCallServer(node, NODE_FAST_NAMES, tier.locks[10])
     try:
-        host, port, key = server.endpoint
+        host, port, _ = server.endpoint
         keys = _keys_on(_blocks(tier, "alice"), 10)
         capability = tier.capability(_blocks(tier, "alice")).for_node(10).encode()
-        for guess in (capability[-32:], os.urandom(32), capability[:32]):
-            with pytest.raises(PermissionError):
-                connect((host, port, guess))
+        for guess in (capability[-32:], os.urandom(32)):
+            with socket.create_connection((host, port), timeout=5) as sock:
+                conn = FastConnection(sock)
+                hello = conn.recv_frame(64)
+                nonces = (bytes(hello[len(MAGIC) :]), os.urandom(32))
+                conn.send_frame([nonces[1] + proof(guess, b"client", nonces, host, port)])
+                conn.send_frame(wire.encode(("delete", (keys,))))
+                with pytest.raises((EOFError, ConnectionError)):
+                    conn.recv_frame(1 << 20, time.monotonic() + 5)
+        assert all(node.holds(keys))
         # The node key does work there: the socket is what it was.
         channel = FastChannel(server.endpoint)
         try:
-            conn = channel.start("holds", (keys,))
-            assert wait_ready([conn], 10.0) == [conn]
-            assert channel.finish(conn) == [True] * len(keys)
+            call = channel.start("holds", (keys,))
+            assert wait_ready([call], 10.0) == [call]
+            assert channel.finish(call) == [True] * len(keys)
         finally:
             channel.close()
     finally:
