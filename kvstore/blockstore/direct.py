@@ -32,6 +32,7 @@ import ssl
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,11 +43,11 @@ from kvstore.blockstore.capability import ReadCapability
 from kvstore.blockstore.records import BlockLocation
 from kvstore.ec.codec import Codec
 from kvstore.ec.shard import (
+    FRAGMENT_ALIGN,
     HEADER_BYTES,
     MAGIC,
     VERSION,
     check_shard,
-    fragment_length,
     payload_hash,
     writes_by_payload,
 )
@@ -127,6 +128,30 @@ class _Connection:
         self._sock.close()
 
 
+@dataclass
+class _Read:
+    """One ``read_into``: its blocks as arrays, where each goes, and what it sends each node."""
+
+    capability: ReadCapability
+    view: memoryview
+    sizes: np.ndarray  # (n,) int64
+    starts: np.ndarray  # (n,) int64: where each block goes in ``view``
+    placements: np.ndarray  # (n, width) int64: node per stripe index, -1: none to ask
+    keys: np.ndarray  # (n, 32) uint8
+    deadline: float
+    parts: dict[int, bytes] = field(default_factory=dict)  # node -> its capability part
+
+    def part(self, node: int) -> bytes:
+        encoded = self.parts.get(node)
+        if encoded is None:
+            encoded = self.parts[node] = self.capability.for_node(node).encode()
+        return encoded
+
+
+#: (block positions, stripe indices) of the shards asked of one node, in request order.
+_Items = tuple[np.ndarray, np.ndarray]
+
+
 class DirectReader:
     """Reads leased blocks from the nodes at ``endpoints`` (node id → engine read socket)
     with their read capability; ``k`` + ``m``: the tier's stripe geometry. ``timeout_s``
@@ -166,131 +191,139 @@ class DirectReader:
         view = memoryview(out).cast("B")
         if view.readonly:
             raise ValueError("out: must be a writable buffer")
-        sizes = [block.size for block in blocks]
+        n = len(blocks)
+        sizes = np.fromiter((block.size for block in blocks), np.int64, n)
         if offsets is None:
-            offsets = np.concatenate(([0], np.cumsum(sizes[:-1], dtype=np.int64))).tolist()
-        if len(offsets) != len(blocks):
-            raise ValueError(f"offsets: {len(offsets)} for {len(blocks)} blocks")
-        if blocks and max(o + s for o, s in zip(offsets, sizes, strict=True)) > len(view):
+            starts = np.zeros(n, np.int64)
+            np.cumsum(sizes[:-1], out=starts[1:])
+        else:
+            starts = np.asarray(offsets, np.int64)
+            if starts.shape != (n,):
+                raise ValueError(f"offsets: {len(offsets)} for {n} blocks")
+        if n and ((starts < 0).any() or int((starts + sizes).max()) > len(view)):
             raise ValueError(f"out: {len(view)} bytes do not hold the blocks at their offsets")
-        deadline = time.monotonic() + self._timeout
-        parts: dict[int, bytes] = {}
-        ok = self._fast(capability, blocks, view, offsets, deadline, parts)
-        careful = [b for b, good in enumerate(ok) if not good]
-        if careful:
-            for b, good in self._careful(
-                capability, blocks, careful, view, offsets, deadline, parts
-            ).items():
-                ok[b] = good
-        self.counters["blocks"] += len(blocks)
-        self.counters["misses"] += ok.count(False)
-        return ok
+        keys = b"".join(block.key for block in blocks)
+        if len(keys) != 32 * n:
+            raise ValueError("blocks: every key must be 32 bytes")
+        width = self.k + self.m
+        placements = np.full((n, width), -1, np.int64)
+        for b, block in enumerate(blocks):
+            row = block.placement[:width]
+            placements[b, : len(row)] = row
+        placements[~np.isin(placements, list(self.endpoints))] = -1  # no socket: none to ask
+        read = _Read(
+            capability,
+            view,
+            sizes,
+            starts,
+            placements,
+            np.frombuffer(keys, np.uint8).reshape(n, 32),
+            time.monotonic() + self._timeout,
+        )
+        ok = self._fast(read)
+        careful = np.flatnonzero(~ok)
+        if careful.size:
+            ok[careful] = self._careful(read, careful.tolist(), blocks)
+        self.counters["blocks"] += n
+        self.counters["misses"] += int(n - ok.sum())
+        return ok.tolist()
 
     # --- the common case: data shards into place ------------------------------------------------
 
-    def _fast(
-        self,
-        capability: ReadCapability,
-        blocks: Sequence[BlockLocation],
-        view: memoryview,
-        offsets: Sequence[int],
-        deadline: float,
-        parts: dict[int, bytes],
-    ) -> list[bool]:
+    def _fast(self, read: _Read) -> np.ndarray:
+        """Each block whose k data shards land in place and check out (see the module doc)."""
         k = self.k
-        n = len(blocks)
+        n = len(read.sizes)
+        sizes, starts, view = read.sizes, read.starts, read.view
+        per_shard = -(-sizes // k)  # as ``fragment_length``, for every block at once
+        fragments = np.maximum(FRAGMENT_ALIGN, -(per_shard // -FRAGMENT_ALIGN) * FRAGMENT_ALIGN)
         heads = np.zeros((n, k, HEADER_BYTES), np.uint8)
         head_view = memoryview(heads).cast("B")  # type: ignore[arg-type]
+        scratch = [memoryview(bytearray(int(fragments.max(initial=0))))]
+
+        def place(
+            bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray
+        ) -> tuple[list[memoryview], np.ndarray]:
+            fragment = fragments[bs]
+            fits = lengths == HEADER_BYTES + fragment
+            begin = indices * fragment
+            take = np.clip(sizes[bs] - begin, 0, fragment)
+            most = int(lengths.max(initial=0))
+            if most > len(scratch[0]):
+                scratch[0] = memoryview(bytearray(most))
+            junk = scratch[0]
+            pieces: list[memoryview] = []
+            add = pieces.append
+            for fit, head, at, taken, pad, length in zip(
+                fits.tolist(),
+                ((bs * k + indices) * HEADER_BYTES).tolist(),
+                (starts[bs] + begin).tolist(),
+                take.tolist(),
+                (fragment - take).tolist(),
+                lengths.tolist(),
+                strict=True,
+            ):
+                if not fit:  # not this block's shard: read into nothing
+                    add(junk[:length])
+                    continue
+                add(head_view[head : head + HEADER_BYTES])
+                if taken:
+                    add(view[at : at + taken])
+                if pad:  # the last fragment's padding
+                    add(junk[:pad])
+            return pieces, fits
+
         have = np.zeros((n, k), bool)
-        asks: dict[int, list[tuple[int, int]]] = {}
-        for b, block in enumerate(blocks):
-            for index in range(k):
-                node = block.placement[index] if index < len(block.placement) else -1
-                if node >= 0 and node in self.endpoints:
-                    asks.setdefault(node, []).append((b, index))
-        scratch = memoryview(bytearray(1))
-
-        def sink(b: int, index: int, length: int) -> tuple[list[memoryview], bool]:
-            nonlocal scratch
-            size = blocks[b].size
-            fragment = fragment_length(size, k)
-            if length != HEADER_BYTES + fragment:
-                if len(scratch) < length:
-                    scratch = memoryview(bytearray(length))
-                return [scratch[:length]], False  # not this block's shard: into nothing
-            at = (b * k + index) * HEADER_BYTES
-            begin = index * fragment
-            take = max(0, min(fragment, size - begin))
-            pieces = [head_view[at : at + HEADER_BYTES]]
-            if take:
-                start = offsets[b] + begin
-                pieces.append(view[start : start + take])
-            if fragment - take:
-                if len(scratch) < fragment - take:
-                    scratch = memoryview(bytearray(fragment))
-                pieces.append(scratch[: fragment - take])  # the last fragment's padding
-            return pieces, True
-
-        keys = [bytes(block.key) for block in blocks]
-        for b, index in self._exchange(capability, asks, keys, sink, deadline, parts):
-            have[b, index] = True
-        good = have.all(axis=1)
+        for bs, indices in self._exchange(read, _asks(read.placements[:, :k]), place):
+            have[bs, indices] = True
+        good = np.asarray(have.all(axis=1))
         if not good.any():
-            return [False] * n
-        key_table = np.frombuffer(b"".join(keys), np.uint8).reshape(n, 32)
-        sizes = np.array([block.size for block in blocks], np.uint64)
+            return good
         good &= (heads[:, :, 8:12] == np.frombuffer(MAGIC, np.uint8)).all(axis=2).all(axis=1)
         good &= (heads[:, :, 12] == np.arange(k, dtype=np.uint8)).all(axis=1)
         good &= (heads[:, :, 13] == VERSION).all(axis=1)
         good &= (heads[:, :, 14] == k).all(axis=1) & (heads[:, :, 15] == self.m).all(axis=1)
-        lengths = np.ascontiguousarray(heads[:, :, 16:24]).view("<u8")[:, :, 0]
-        good &= (lengths == sizes[:, None]).all(axis=1)
-        good &= (heads[:, :, 32:64] == key_table[:, None, :]).all(axis=2).all(axis=1)
+        claimed = np.ascontiguousarray(heads[:, :, 16:24]).view("<u8")[:, :, 0]
+        good &= (claimed == sizes.astype(np.uint64)[:, None]).all(axis=1)
+        good &= (heads[:, :, 32:64] == read.keys[:, None, :]).all(axis=2).all(axis=1)
         good &= (heads[:, :, 24:32] == heads[:, :1, 24:32]).all(axis=2).all(axis=1)
-        ok = [False] * n
-        for b in np.flatnonzero(good).tolist():
-            start = offsets[b]
-            placed = view[start : start + blocks[b].size]
-            if xxhash.xxh3_64_digest(placed) == heads[b, 0, 24:32].tobytes():
-                ok[b] = True
-        self.counters["fast_blocks"] += ok.count(True)
-        return ok
+        for b in np.flatnonzero(good).tolist():  # the one check of the bytes: the block's hash
+            start = int(starts[b])
+            placed = view[start : start + int(sizes[b])]
+            good[b] = xxhash.xxh3_64_digest(placed) == heads[b, 0, 24:32].tobytes()
+        self.counters["fast_blocks"] += int(good.sum())
+        return good
 
     # --- the careful path: every shard, checked, decoded ----------------------------------------
 
     def _careful(
-        self,
-        capability: ReadCapability,
-        blocks: Sequence[BlockLocation],
-        chosen: list[int],
-        view: memoryview,
-        offsets: Sequence[int],
-        deadline: float,
-        parts: dict[int, bytes],
-    ) -> dict[int, bool]:
+        self, read: _Read, chosen: list[int], blocks: Sequence[BlockLocation]
+    ) -> list[bool]:
         width = self.k + self.m
-        stripes: dict[int, list[np.ndarray | None]] = {b: [None] * width for b in chosen}
-        asks: dict[int, list[tuple[int, int]]] = {}
-        for b in chosen:
-            for index, node in enumerate(blocks[b].placement[:width]):
-                if node >= 0 and node in self.endpoints:
-                    asks.setdefault(node, []).append((b, index))
-
         landing: dict[tuple[int, int], np.ndarray] = {}
 
-        def sink(b: int, index: int, length: int) -> tuple[list[memoryview], bool]:
-            shard = landing[b, index] = np.empty(length, np.uint8)
-            return [memoryview(shard)], True  # type: ignore[arg-type]
+        def place(
+            bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray
+        ) -> tuple[list[memoryview], np.ndarray]:
+            pieces = []
+            for b, index, length in zip(
+                bs.tolist(), indices.tolist(), lengths.tolist(), strict=True
+            ):
+                shard = landing[b, index] = np.empty(length, np.uint8)
+                pieces.append(memoryview(shard))  # type: ignore[arg-type]
+            return pieces, np.ones(len(bs), bool)
 
-        keys = [bytes(block.key) for block in blocks]
-        for b, index in self._exchange(capability, asks, keys, sink, deadline, parts):
-            stripes[b][index] = landing[b, index]
-        out: dict[int, bool] = {}
+        rows = np.array(chosen, np.int64)
+        stripes: dict[int, list[np.ndarray | None]] = {b: [None] * width for b in chosen}
+        for bs, indices in self._exchange(read, _asks(read.placements[rows], rows), place):
+            for b, index in zip(bs.tolist(), indices.tolist(), strict=True):
+                stripes[b][index] = landing[b, index]
+        out = []
         for b in chosen:
-            block = blocks[b]
-            target = view[offsets[b] : offsets[b] + block.size]
-            out[b] = self._decode(block, stripes[b], target)
-        self.counters["decoded_blocks"] += sum(out.values())
+            start = int(read.starts[b])
+            target = read.view[start : start + int(read.sizes[b])]
+            out.append(self._decode(blocks[b], stripes[b], target))
+        self.counters["decoded_blocks"] += sum(out)
         return out
 
     def _decode(
@@ -327,51 +360,39 @@ class DirectReader:
 
     # --- one round of requests to the nodes -----------------------------------------------------
 
-    def _exchange(
-        self,
-        capability: ReadCapability,
-        asks: dict[int, list[tuple[int, int]]],
-        block_keys: list[bytes],
-        sink: Any,
-        deadline: float,
-        parts: dict[int, bytes],
-    ) -> list[tuple[int, int]]:
-        """Ask each node of ``asks`` for its shards (block position, stripe index; the block's
-        key is ``block_keys[position]``), at most ``MAX_SHARDS_PER_REQUEST`` a request and one
-        request in flight per connection. Each served shard is received into the buffers
-        ``sink(block, index, length)`` answers (with whether it takes the shard); returns the
-        (block, index) taken from replies received whole: a reply cut short counts for
-        nothing, whatever part of it landed."""
+    def _exchange(self, read: _Read, asks: dict[int, _Items], place: Any) -> list[_Items]:
+        """Ask each node of ``asks`` for its shards, at most ``MAX_SHARDS_PER_REQUEST`` a
+        request and one request in flight per connection. The shards a reply serves are
+        received into the buffers ``place(blocks, indices, lengths)`` answers for them, with
+        which of them it takes; returns the (blocks, indices) taken from replies received
+        whole: a reply cut short counts for nothing, whatever part of it landed."""
         size = proto.MAX_SHARDS_PER_REQUEST
         chunks = {
-            node: [items[i : i + size] for i in range(0, len(items), size)]
-            for node, items in asks.items()
+            node: [(bs[i : i + size], ix[i : i + size]) for i in range(0, len(bs), size)]
+            for node, (bs, ix) in asks.items()
         }
-        taken: list[tuple[int, int]] = []
+        taken: list[_Items] = []
         while chunks:
-            sent: dict[int, tuple[list[tuple[int, int]], bytes, bool]] = {}
+            sent: dict[int, tuple[_Items, bytes, bool]] = {}
             for node in list(chunks):
                 items = chunks[node].pop(0)
                 if not chunks[node]:
                     del chunks[node]
-                part = parts.get(node)
-                if part is None:
-                    part = parts[node] = capability.for_node(node).encode()
-                request = _request(part, [block_keys[b] for b, _ in items])
-                reused = self._send(node, request, deadline)
+                request = _request(read.part(node), read.keys[items[0]].tobytes(), len(items[0]))
+                reused = self._send(node, request, read.deadline)
                 if reused is None:
                     chunks.pop(node, None)
                     continue
                 sent[node] = (items, request, reused)
             for node, (items, request, reused) in sent.items():
                 try:
-                    taken += self._receive(node, items, sink, deadline)
+                    taken.append(self._receive(node, items, place, read.deadline))
                     continue
                 except (OSError, EOFError, _ProtocolError):
                     self._lost(node)
-                if reused and self._send(node, request, deadline, redial=True) is not None:
+                if reused and self._send(node, request, read.deadline, redial=True) is not None:
                     try:  # the pooled connection had gone stale (the node's idle bound)
-                        taken += self._receive(node, items, sink, deadline)
+                        taken.append(self._receive(node, items, place, read.deadline))
                         continue
                     except (OSError, EOFError, _ProtocolError):
                         self._lost(node)
@@ -396,17 +417,16 @@ class DirectReader:
                 return self._send(node, request, deadline, redial=True)
             return None
 
-    def _receive(
-        self, node: int, items: list[tuple[int, int]], sink: Any, deadline: float
-    ) -> list[tuple[int, int]]:
+    def _receive(self, node: int, items: _Items, place: Any, deadline: float) -> _Items:
         conn = self._conns[node]
+        bs, indices = items
         head = bytearray(_LENGTH_BYTES + proto.REPLY.size)
         conn.recv_into(memoryview(head), deadline)
         frame = int.from_bytes(head[:_LENGTH_BYTES], "big")
         magic, refusal, count, data_bytes = proto.REPLY.unpack_from(head, _LENGTH_BYTES)
         table_size = proto.table_bytes(count)
-        if magic != proto.REPLY_MAGIC or count != len(items):
-            raise _ProtocolError(f"node {node}: not a reply to {len(items)} keys")
+        if magic != proto.REPLY_MAGIC or count != len(bs):
+            raise _ProtocolError(f"node {node}: not a reply to {len(bs)} keys")
         if frame != proto.REPLY.size + table_size + data_bytes:
             raise _ProtocolError(f"node {node}: a reply frame of {frame} bytes is inconsistent")
         table = bytearray(table_size)
@@ -421,18 +441,12 @@ class DirectReader:
         elif not served.all():
             for status, times in Counter(statuses[~served].tolist()).items():
                 self.counters[f"shards_{proto.NAMES.get(status, status)}"] += times
-        pieces: list[memoryview] = []
-        taken: list[tuple[int, int]] = []
-        for j in np.flatnonzero(served).tolist():
-            b, index = items[j]
-            into, takes = sink(b, index, int(lengths[j]))
-            pieces.extend(into)
-            if takes:
-                taken.append((b, index))
+        bs, indices = bs[served], indices[served]
+        pieces, takes = place(bs, indices, lengths[served])
         conn.recv_pieces([piece for piece in pieces if len(piece)], deadline)
-        self.counters["shards_served"] += int(served.sum())
+        self.counters["shards_served"] += len(bs)
         self.counters["bytes_received"] += data_bytes
-        return taken
+        return bs[takes], indices[takes]
 
     def _lost(self, node: int) -> None:
         """A node that failed this read: its connection is dropped (a late reply must not
@@ -443,10 +457,30 @@ class DirectReader:
             conn.close()
 
 
-def _request(part: bytes, keys: list[bytes]) -> bytes:
-    """One read request frame: this node's part of the capability and the keys asked."""
+def _asks(placements: np.ndarray, rows: np.ndarray | None = None) -> dict[int, _Items]:
+    """Node -> the (block, stripe index) it holds of ``placements`` (its rows are the blocks
+    ``rows``, default 0..), block by block."""
+    n, width = placements.shape
+    blocks = np.repeat(np.arange(n) if rows is None else rows, width)
+    indices = np.tile(np.arange(width), n)
+    nodes = placements.ravel()
+    held = nodes >= 0
+    nodes, blocks, indices = nodes[held], blocks[held], indices[held]
+    order = np.argsort(nodes, kind="stable")
+    nodes, blocks, indices = nodes[order], blocks[order], indices[order]
+    found, first = np.unique(nodes, return_index=True)
+    ends = [*first[1:].tolist(), len(nodes)]
+    return {
+        int(node): (blocks[a:b], indices[a:b])
+        for node, a, b in zip(found.tolist(), first.tolist(), ends, strict=True)
+    }
+
+
+def _request(part: bytes, keys: bytes, count: int) -> bytes:
+    """One read request frame: this node's part of the capability and the ``count`` keys
+    asked (32 bytes each, end to end)."""
     head = proto.REQUEST.pack(
-        proto.REQUEST_MAGIC, proto.OP_READ, proto.VERSION, 0, len(part), len(keys)
+        proto.REQUEST_MAGIC, proto.OP_READ, proto.VERSION, 0, len(part), count
     )
-    body = b"".join([head, part, *keys])
+    body = b"".join([head, part, keys])
     return len(body).to_bytes(_LENGTH_BYTES, "big") + body
