@@ -17,15 +17,20 @@ What makes it safe to listen, as for the fastcall socket (``kvstore.fastcall.ser
   (TLS included); a peer whose first request is refused is dropped. At most ``MAX_PEERS``
   connections at once; an idle one is closed after ``IDLE_S``.
 - **Bounded bytes**: a request is at most ``readproto.MAX_REQUEST_BYTES`` (refused unread
-  beyond), its body must arrive within ``IO_TIMEOUT_S``; the reply bytes held at once are
-  bounded (``Budget``): sizes are taken from the node's index first, the bytes read only once
-  reserved, a request over the budget answered ``BUSY`` per shard.
+  beyond), its body must arrive within ``IO_TIMEOUT_S`` and its reply be taken within it too
+  (each blocking send of a sendfile reply bounded by ``SO_SNDTIMEO``); the reply bytes a
+  buffered (TLS) reply holds are bounded (``Budget``): sizes are taken from the node's index
+  first, the bytes read only once reserved, a request over the budget answered ``BUSY`` per
+  shard. A sendfile reply holds no reply bytes in the process.
 
-The reply is one buffer: the node reads the served shards end to end into it from its
-segment files (``StorageNode.get``: one ``preadv`` each), under the actor's lock (the node is
-single-threaded; compaction may move a record between two reads), and it goes out with the
-status table in one scatter-gather ``sendmsg``. Revocations come through the actor (Ray), never
-through this socket.
+The reply goes out with as few copies as the socket allows. On a plain socket each shard is
+sent straight from its segment file (``os.sendfile``: page cache to socket, never through this
+process), its place found in the node's index under the actor's lock and the segment's
+descriptor duplicated, so the send runs without the lock (the log is only appended to, and a
+duplicated descriptor keeps a compacted segment readable). Under TLS, which encrypts in this
+process, the node reads the served shards end to end into one buffer (``StorageNode.get``: one
+``preadv`` each, under the lock), sent with the status table in one frame. Revocations come
+through the actor (Ray), never through this socket.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -63,14 +70,32 @@ IDLE_S = 120.0
 #: Reply bytes held at once: a few of the largest replies.
 REPLY_BUDGET_BYTES = 256 << 20
 _BACKLOG = 1024
+_LENGTH = struct.Struct(">I")
 
 
 class ShardSource(Protocol):
     """What the server reads from: the storage node (``StorageNode``)."""
 
+    def shard_extents(
+        self, keys: list[bytes]
+    ) -> tuple[list[tuple[int, int, int] | None], dict[int, int]] | None: ...
+
     def shard_sizes(self, keys: list[bytes]) -> list[int]: ...
 
     def get(self, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@dataclass
+class _Reply:
+    """One reply: ``parts`` (head, status table, lengths, and on the buffer path the shards'
+    buffer), then on the sendfile path ``extents`` (descriptor, offset, bytes) sent straight
+    from the segment files; ``readers``: descriptors to close once sent; ``reserved``: reply
+    bytes held of the budget until then."""
+
+    parts: list[Any]
+    extents: list[tuple[int, int, int]] = field(default_factory=list)
+    readers: list[int] = field(default_factory=list)
+    reserved: int = 0
 
 
 class EngineReadServer:
@@ -194,6 +219,10 @@ class EngineReadServer:
         sock = peer
         try:
             peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Bounds each blocking send of a sendfile reply (os.sendfile ignores Python's
+            # socket timeout); set before TLS takes the descriptor over.
+            timeout = struct.pack("ll", int(IO_TIMEOUT_S), 0)
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(peer, server_side=True, do_handshake_on_connect=False)
                 tls_handshake(sock, accepted + UNAUTHENTICATED_S)
@@ -205,7 +234,7 @@ class EngineReadServer:
             proven = False
             while not self._closed:
                 wait = accepted + UNAUTHENTICATED_S if not proven else time.monotonic() + self._idle
-                reserved = 0
+                reply: _Reply | None = None
                 try:
                     size = conn.recv_length(wait)
                     if size > proto.MAX_REQUEST_BYTES or size < proto.REQUEST.size:
@@ -217,16 +246,23 @@ class EngineReadServer:
                     answer = self._answer(body)
                     if answer is None:
                         return
-                    reply, served, reserved = answer
-                    conn.send_frame(reply, time.monotonic() + IO_TIMEOUT_S)
+                    reply, served = answer
+                    deadline = time.monotonic() + IO_TIMEOUT_S
+                    if reply.extents:
+                        _send_extents(peer, reply, deadline)
+                    else:
+                        conn.send_frame(reply.parts, deadline)
                 except (EOFError, OSError):  # gone, idle too long, or too slow
                     return
                 except Exception:  # the node failed under the read: this peer asks elsewhere
                     log.exception("engine reads: node %d failed a read", self.node_id)
                     return
                 finally:
-                    if reserved:
-                        self._budget.give(reserved)
+                    if reply is not None:
+                        for fd in reply.readers:
+                            os.close(fd)
+                        if reply.reserved:
+                            self._budget.give(reply.reserved)
                 if not served and not proven:
                     self._drop("its first request was refused")
                     return
@@ -238,10 +274,9 @@ class EngineReadServer:
         log.warning("engine reads: node %d dropped a peer: %s", self.node_id, why)
         self._count(peers_dropped=1)
 
-    def _answer(self, body: bytearray) -> tuple[list[Any], bool, int] | None:
-        """The reply parts to one request, whether it was served (its capability passed) and
-        the reply bytes it holds of the budget (give them back once sent); None: drop the
-        peer (not a read request)."""
+    def _answer(self, body: bytearray) -> tuple[_Reply, bool] | None:
+        """The reply to one request and whether it was served (its capability passed); None:
+        drop the peer (not a read request)."""
         view = memoryview(body)
         magic, op, version, _, cap_len, count = proto.REQUEST.unpack_from(view)
         if magic != proto.REQUEST_MAGIC or op != proto.OP_READ or version != proto.VERSION:
@@ -265,30 +300,59 @@ class EngineReadServer:
             log.info("engine reads: node %d: %s", self.node_id, refused)
             self._count(**{f"refused_{refused.reason}": count, "requests_refused": 1})
             refusals = np.full(count, proto.STATUS[refused.reason], np.uint8)
-            return _reply(refusals, [], refused), False, 0
+            return _Reply(_parts(refusals, np.zeros(count, np.uint32), 0, refused)), False
         statuses = np.full(count, proto.STATUS[CapabilityRefused.OTHER_SHARD], np.uint8)
         allowed = [i for i, key in enumerate(keys) if key in grant.key_set]
         if len(allowed) < count:
             self._count(refused_other_shard=count - len(allowed))
-        reply, reserved = self._read(keys, allowed, statuses)
-        return reply, True, reserved
+        return self._read(keys, allowed, statuses), True
 
-    def _read(
-        self, keys: list[bytes], allowed: list[int], statuses: np.ndarray
-    ) -> tuple[list[Any], int]:
-        """Read the ``allowed`` positions of ``keys`` into one buffer: the reply parts and the
-        reply bytes reserved for it."""
+    def _read(self, keys: list[bytes], allowed: list[int], statuses: np.ndarray) -> _Reply:
+        """The reply serving the ``allowed`` positions of ``keys``: sent from the segment
+        files where the socket is plain, else read into one buffer."""
         lengths = np.zeros(len(keys), np.uint32)
         if not allowed:
-            return _reply(statuses, [lengths], None), 0
+            return _Reply(_parts(statuses, lengths, 0, None))
         wanted = [keys[i] for i in allowed]
+        if self._tls is None:  # TLS cannot sendfile: its bytes are encrypted in this process
+            with self._lock:
+                found = self._source.shard_extents(wanted)
+            if found is not None:
+                return self._from_files(allowed, statuses, lengths, *found)
+        return self._from_buffer(wanted, allowed, statuses, lengths)
+
+    def _from_files(
+        self,
+        allowed: list[int],
+        statuses: np.ndarray,
+        lengths: np.ndarray,
+        extents: list[tuple[int, int, int] | None],
+        readers: dict[int, int],
+    ) -> _Reply:
+        sends: list[tuple[int, int, int]] = []
+        for position, extent in zip(allowed, extents, strict=True):
+            if extent is None:
+                statuses[position] = proto.MISSING
+                continue
+            seq, offset, length = extent
+            statuses[position] = proto.OK
+            lengths[position] = length
+            sends.append((readers[seq], offset, length))
+        total = sum(length for _, _, length in sends)
+        self._count(served=len(sends), missing=len(allowed) - len(sends), bytes_sent=total)
+        parts = _parts(statuses, lengths, total, None)
+        return _Reply(parts, sends, list(readers.values()))
+
+    def _from_buffer(
+        self, wanted: list[bytes], allowed: list[int], statuses: np.ndarray, lengths: np.ndarray
+    ) -> _Reply:
         with self._lock:
             sizes = self._source.shard_sizes(wanted)
         reserve = sum(size for size in sizes if size > 0)
         if not self._budget.take(reserve, BUDGET_WAIT_S):
             statuses[allowed] = proto.BUSY
             self._count(busy=len(allowed))
-            return _reply(statuses, [lengths], None), 0
+            return _Reply(_parts(statuses, lengths, 0, None))
         try:
             with self._lock:
                 buffer, got = self._source.get(wanted)
@@ -304,7 +368,9 @@ class EngineReadServer:
                 statuses[position] = proto.MISSING
         served = sum(1 for length in got_list if length >= 0)
         self._count(served=served, missing=len(allowed) - served, bytes_sent=int(buffer.size))
-        return _reply(statuses, [lengths, buffer], None), reserve
+        return _Reply(
+            [*_parts(statuses, lengths, int(buffer.size), None), buffer], reserved=reserve
+        )
 
     def _orphaned(self) -> bool:
         if os.getppid() == self._parent:
@@ -324,15 +390,35 @@ class EngineReadServer:
         self._socket.close()
 
 
-def _reply(
-    statuses: np.ndarray, rest: list[np.ndarray], refused: CapabilityRefused | None
+def _parts(
+    statuses: np.ndarray, lengths: np.ndarray, data_bytes: int, refused: CapabilityRefused | None
 ) -> list[Any]:
-    """The reply parts: head, status table (padded), then ``rest`` (lengths, data)."""
+    """A reply's head, status table (padded) and lengths; its shards' bytes follow."""
     count = len(statuses)
-    lengths = rest[0] if rest else np.zeros(count, np.uint32)
-    data = rest[1] if len(rest) > 1 else np.zeros(0, np.uint8)
     code = 0 if refused is None else proto.STATUS[refused.reason]
-    head = proto.REPLY.pack(proto.REPLY_MAGIC, code, count, int(data.size))
+    head = proto.REPLY.pack(proto.REPLY_MAGIC, code, count, data_bytes)
     table = np.zeros(proto.padded(count), np.uint8)
     table[:count] = statuses
-    return [head, table, lengths.astype("<u4", copy=False), data]
+    return [head, table, lengths.astype("<u4", copy=False)]
+
+
+def _send_extents(sock: socket.socket, reply: _Reply, deadline: float) -> None:
+    """Send ``reply`` as one frame: its parts, then each extent straight from its segment
+    file (``os.sendfile``: the bytes go from the page cache to the socket, never through this
+    process). Each blocking send is bounded by the socket's SO_SNDTIMEO, the whole by
+    ``deadline``; a file shorter than its index says breaks the frame: ``EOFError`` (the
+    peer is dropped and reads elsewhere)."""
+    head = b"".join(bytes(memoryview(part).cast("B")) for part in reply.parts)
+    total = len(head) + sum(length for _, _, length in reply.extents)
+    sock.settimeout(None)  # blocking: SO_SNDTIMEO bounds each wait
+    sock.sendall(_LENGTH.pack(total) + head)
+    out = sock.fileno()
+    for fd, offset, length in reply.extents:
+        while length:
+            if time.monotonic() > deadline:
+                raise TimeoutError("engine reads: the peer took too long")
+            sent = os.sendfile(out, fd, offset, length)
+            if not sent:
+                raise EOFError("engine reads: a segment file is shorter than its index says")
+            offset += sent
+            length -= sent

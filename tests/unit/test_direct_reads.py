@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from certs import self_signed
 from readnodes import ReadNodes, block_key
 
 from kvstore.blockstore.direct import DirectReader
@@ -16,6 +17,7 @@ from kvstore.blockstore.readserver import EngineReadServer
 from kvstore.blockstore.records import BlockLocation
 from kvstore.blockstore.segments import RECORD_BYTES
 from kvstore.ec.shard import HEADER_BYTES
+from kvstore.fastcall.tls import ClientTLS, ServerTLS
 
 SIZE = 100_000  # not a multiple of 10 x 64: the last fragment carries padding
 
@@ -147,3 +149,46 @@ def test_a_connection_the_node_let_go_idle_is_redialed(tier: ReadNodes) -> None:
     _check(tier, blocks, out, ok)
     assert reader.counters["node_failures"] > 0  # the stale ones, each redialed at once
     assert reader.counters["decoded_blocks"] == 0
+
+
+def test_over_tls_the_same_bytes_arrive(tier: ReadNodes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With the data plane's TLS setting the nodes send from one buffer (TLS cannot
+    sendfile) and the reader receives piece by piece (TLS has no recvmsg_into)."""
+    cert, key = self_signed(tmp_path)
+    for i, server in enumerate(tier.servers):
+        server.close()
+        tier.servers[i] = EngineReadServer(
+            i,
+            tier.key,
+            tier.nodes[i],
+            tier.locks[i],
+            tier.revocations[i],
+            tls=ServerTLS(cert, key),
+            clock=tier.clock,
+        )
+    blocks = _lease(tier)
+    reader = DirectReader(tier.endpoints, 10, 2, tls=ClientTLS(cert))
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    assert ok == [True] * len(blocks)
+    _check(tier, blocks, out, ok)
+    assert tier.servers[0].stats()["tls"] is True
+    plain = DirectReader(tier.endpoints, 10, 2)  # a reader without TLS gets nothing
+    assert plain.read_into(tier.capability(blocks), blocks, out) == [False] * len(blocks)
+
+
+def test_a_segment_cut_short_behind_the_nodes_back_is_read_around(tier: ReadNodes) -> None:
+    """The node sends from its segment file what its index says is there; a file cut short
+    since (a disk fault) ends its reply early: the reader drops that node and decodes the
+    blocks from the others, never handing out what did not arrive."""
+    blocks = _lease(tier)
+    found = tier.nodes[2].locate([blocks[0].key])[0]
+    assert found is not None
+    path, offset, _ = found
+    os.truncate(path, offset)
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    assert ok == [True] * len(blocks)
+    _check(tier, blocks, out, ok)
+    assert reader.counters["node_failures"] > 0 and reader.counters["decoded_blocks"] > 0
