@@ -27,6 +27,8 @@ thread (each keeps one connection per node).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import socket
 import ssl
 import time
@@ -70,7 +72,12 @@ class _Connection:
     """One socket to a node's engine read socket (TLS where set); every operation bounded by
     the read's deadline."""
 
-    def __init__(self, endpoint: ReadEndpoint, tls: ClientTLS | None, deadline: float) -> None:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._scatter = not isinstance(sock, ssl.SSLSocket)  # TLS has no recvmsg_into
+
+    @classmethod
+    def dial(cls, endpoint: ReadEndpoint, tls: ClientTLS | None, deadline: float) -> _Connection:
         host, port = endpoint
         sock = socket.create_connection(
             (host, port), timeout=max(0.001, deadline - time.monotonic())
@@ -85,8 +92,7 @@ class _Connection:
         except BaseException:
             sock.close()
             raise
-        self._sock = sock
-        self._scatter = not isinstance(sock, ssl.SSLSocket)  # TLS has no recvmsg_into
+        return cls(sock)
 
     def _until(self, deadline: float) -> None:
         left = deadline - time.monotonic()
@@ -107,22 +113,26 @@ class _Connection:
             view = view[got:]
 
     def recv_pieces(self, pieces: list[memoryview], deadline: float) -> None:
-        """Fill ``pieces`` in order from the stream: scatter-gather, a batch per call."""
+        """Fill ``pieces`` in order from the stream: scatter-gather, a batch per call (each
+        call fills what the socket holds; where it stopped is found by bisection, not by
+        walking the pieces)."""
         if not self._scatter:
             for piece in pieces:
                 self.recv_into(piece, deadline)
             return
-        at = 0
-        while at < len(pieces):
+        ends = list(itertools.accumulate(map(len, pieces)))
+        total = ends[-1] if ends else 0
+        done = 0
+        at = 0  # the first piece not yet full
+        while done < total:
             self._until(deadline)
             got = self._sock.recvmsg_into(pieces[at : at + _MAX_PIECES])[0]
             if not got:
                 raise EOFError("engine reads: the node closed the connection")
-            while at < len(pieces) and got >= len(pieces[at]):
-                got -= len(pieces[at])
-                at += 1
-            if got:
-                pieces[at] = pieces[at][got:]
+            done += got
+            at = bisect.bisect_right(ends, done, at)
+            if at < len(pieces) and done > ends[at] - len(pieces[at]):
+                pieces[at] = pieces[at][len(pieces[at]) - (ends[at] - done) :]
 
     def close(self) -> None:
         self._sock.close()
@@ -408,7 +418,9 @@ class DirectReader:
         reused = conn is not None and not redial
         try:
             if conn is None or redial:
-                conn = self._conns[node] = _Connection(self.endpoints[node], self._tls, deadline)
+                conn = self._conns[node] = _Connection.dial(
+                    self.endpoints[node], self._tls, deadline
+                )
             conn.send(request, deadline)
             return reused
         except (OSError, EOFError):

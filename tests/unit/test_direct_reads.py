@@ -4,6 +4,9 @@ caller's buffer; parity only when a data shard is missing or bad; a miss, never 
 from __future__ import annotations
 
 import os
+import random
+import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -12,7 +15,7 @@ import pytest
 from certs import self_signed
 from readnodes import ReadNodes, block_key
 
-from kvstore.blockstore.direct import DirectReader
+from kvstore.blockstore.direct import DirectReader, _Connection
 from kvstore.blockstore.readserver import EngineReadServer
 from kvstore.blockstore.records import BlockLocation
 from kvstore.blockstore.segments import RECORD_BYTES
@@ -192,3 +195,28 @@ def test_a_segment_cut_short_behind_the_nodes_back_is_read_around(tier: ReadNode
     assert ok == [True] * len(blocks)
     _check(tier, blocks, out, ok)
     assert reader.counters["node_failures"] > 0 and reader.counters["decoded_blocks"] > 0
+
+
+def test_a_reply_cut_anywhere_by_the_stream_fills_every_piece_in_order() -> None:
+    """The scatter receive resumes where each ``recvmsg_into`` stopped, mid-piece or not."""
+    rng = random.Random(5)
+    for _ in range(20):
+        sender, receiver = socket.socketpair()
+        sizes = [rng.choice([1, 7, 64, 1000, 13_000, 70_000]) for _ in range(rng.randint(1, 1500))]
+        data = rng.randbytes(sum(sizes))
+
+        def feed(data: bytes = data, sender: socket.socket = sender) -> None:
+            at = 0
+            while at < len(data):
+                cut = rng.randint(1, 300_000)
+                sender.sendall(data[at : at + cut])
+                at += cut
+
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        buffers = [bytearray(size) for size in sizes]
+        _Connection(receiver).recv_pieces([memoryview(b) for b in buffers], time.monotonic() + 30)
+        feeder.join()
+        assert b"".join(buffers) == data
+        sender.close()
+        receiver.close()
