@@ -291,16 +291,23 @@ def mint(
     return ReadCapability(lease_id, tenant, expires, grants)
 
 
-def mint_for_lease(key: bytes, lease: Lease, tenant: str) -> ReadCapability:
+def mint_for_lease(
+    key: bytes, lease: Lease, tenant: str, now: float | None = None
+) -> ReadCapability:
     """The capability of a lease the tier just granted: every shard of its blocks at the
     node the lookup placed it on (``Lease.placements``; -1, a lost shard, names nothing),
-    ending with the lease (``Lease.until``)."""
+    ending with the lease (``Lease.until``), or ``MAX_LIFETIME_S`` after ``now`` if that is
+    sooner (a node refuses a capability ending later; a lease configured longer is read
+    through the gateway after that)."""
     per_node: dict[int, list[bytes]] = {}
     for key_of_block, row in zip(lease.block_keys, lease.placements.tolist(), strict=True):
         for node_id in row:
             if node_id >= 0:
                 per_node.setdefault(int(node_id), []).append(bytes(key_of_block))
-    return mint(key, lease.lease_id, tenant, float(lease.until), per_node)
+    expires = float(lease.until)
+    if now is not None:
+        expires = min(expires, now + MAX_LIFETIME_S)
+    return mint(key, lease.lease_id, tenant, expires, per_node)
 
 
 def check_grant(

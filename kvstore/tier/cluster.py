@@ -32,7 +32,7 @@ import numpy as np
 from kvstore.blockstore.capability import ReadCapability, mint_for_lease
 from kvstore.blockstore.client import BlockStoreClient
 from kvstore.blockstore.records import Lease, PutResult
-from kvstore.clock import Clock
+from kvstore.clock import Clock, SystemClock
 from kvstore.errors import InvalidArgument, LeaseError, Overloaded, StoreError
 from kvstore.hitplan import check_store_position
 from kvstore.keys import BlockKey, check_key, check_keys, state_slot
@@ -146,7 +146,8 @@ class ClusterTier:
         self._control = control or NoControl()
         self._classes = tuple(blocks.config.traffic_classes)
         self._storage_nodes = blocks.config.storage_nodes
-        self._leases: LeaseTable[Lease] = LeaseTable(max_open_leases, clock)
+        self._clock = clock or SystemClock()
+        self._leases: LeaseTable[Lease] = LeaseTable(max_open_leases, self._clock)
         self.hit_counters = HitCounters()
         self._degraded_reads = 0
         self._lock = threading.Lock()
@@ -277,7 +278,7 @@ class ClusterTier:
         tag = self._leases.tag(lease_id)
         if lease is None or tag is None:
             return None
-        return mint_for_lease(self._read_key, lease, tag.tenant)
+        return mint_for_lease(self._read_key, lease, tag.tenant, self._clock.now())
 
     def lease_tag(self, lease_id: str) -> LeaseTag | None:
         return self._leases.tag(lease_id)

@@ -164,3 +164,17 @@ def test_mint_for_lease_names_every_placed_shard() -> None:
     assert set(capability.keys_for(1)) == {keys[0], keys[1], keys[2]}
     assert set(capability.keys_for(2)) == {keys[0], keys[1], keys[2]}
     assert capability.shards == 8
+
+
+def test_a_lease_longer_than_a_node_honours_gets_a_capability_ending_sooner() -> None:
+    keys = [_key(0)]
+    lease = Lease(
+        "long",
+        NOW + 2 * MAX_LIFETIME_S,
+        key_words(keys),
+        np.array([[0]], np.int32),
+        np.full(1, 100, np.int64),
+    )
+    capability = mint_for_lease(KEY, lease, "bob", now=NOW)
+    assert capability.expires == NOW + MAX_LIFETIME_S
+    verify(KEY, capability, 0, keys[0], NOW)
