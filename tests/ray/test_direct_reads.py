@@ -6,11 +6,13 @@ one buffer, and a revocation sent through the actors stops it."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import ray
+from ray.exceptions import RayError
 
 from kvstore.blockstore.capability import mint_for_lease
 from kvstore.blockstore.config import BlockStoreConfig
@@ -78,4 +80,39 @@ def test_a_key_made_up_by_an_engine_reads_nothing(handles: BlockStoreHandles) ->
     reader = DirectReader(handles.read_endpoints(), 10, 2)
     out = np.zeros(len(keys) * SIZE, np.uint8)
     assert reader.read_into(forged, list(found.lease.blocks), out) == [False] * len(keys)
+    client.release(found.lease)
+
+
+def test_a_restarted_node_serves_direct_reads_under_the_same_key(
+    handles: BlockStoreHandles,
+) -> None:
+    """Ray restarts a crashed node with its arguments, the read key among them: it serves
+    capabilities minted before its crash, on its new port."""
+    client = handles.client()
+    keys = [os.urandom(32) for _ in range(6)]
+    payloads = [np.full(SIZE, i, np.uint8) for i in range(len(keys))]
+    assert client.put_blocks(keys, payloads).stored == keys
+    found = client.lookup(keys)
+    assert found.lease is not None
+    capability = mint_for_lease(handles.read_key(), found.lease, "alice")
+    before = handles.read_endpoints()[3]
+    incarnation = ray.get(handles.nodes[3].incarnation.remote(), timeout=30)
+    handles.kill_node(3, restart=True)
+    deadline = time.monotonic() + 120
+    while True:  # until the restarted incarnation answers
+        try:
+            if ray.get(handles.nodes[3].incarnation.remote(), timeout=10) != incarnation:
+                break
+        except RayError:
+            pass
+        assert time.monotonic() < deadline, "node 3 did not restart"
+        time.sleep(0.2)
+    endpoints = handles.read_endpoints()
+    assert endpoints[3] != before
+    reader = DirectReader(endpoints, 10, 2)
+    out = np.zeros(len(keys) * SIZE, np.uint8)
+    assert reader.read_into(capability, list(found.lease.blocks), out) == [True] * len(keys)
+    assert reader.counters["fast_blocks"] == len(keys)  # node 3's data shards included
+    for b, payload in enumerate(payloads):
+        assert np.array_equal(out[b * SIZE : (b + 1) * SIZE], payload)
     client.release(found.lease)
