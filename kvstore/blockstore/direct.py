@@ -31,6 +31,7 @@ import bisect
 import itertools
 import socket
 import ssl
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -187,6 +188,30 @@ class DirectReader:
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
+
+    def reachable(self, timeout_s: float = 1.0) -> set[int]:
+        """The nodes whose engine read socket this process can open (TLS included) within
+        ``timeout_s``, all dialed at once: what a fetcher asks once to choose between reading
+        directly and through the gateway (a client outside the cluster's network reaches
+        none, and would otherwise wait out every read's timeout)."""
+        found: set[int] = set()
+        deadline = time.monotonic() + timeout_s
+
+        def dial(node: int, endpoint: ReadEndpoint) -> None:
+            try:
+                _Connection.dial(endpoint, self._tls, deadline).close()
+            except (OSError, ValueError):
+                return
+            found.add(node)
+
+        threads = [
+            threading.Thread(target=dial, args=item, daemon=True) for item in self.endpoints.items()
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()) + 0.1)
+        return set(found)
 
     def read_into(
         self,

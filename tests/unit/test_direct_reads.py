@@ -220,3 +220,12 @@ def test_a_reply_cut_anywhere_by_the_stream_fills_every_piece_in_order() -> None
         assert b"".join(buffers) == data
         sender.close()
         receiver.close()
+
+
+def test_reachable_names_the_nodes_this_process_can_dial(tier: ReadNodes) -> None:
+    tier.servers[5].close()
+    endpoints = {**tier.endpoints, 12: ("192.0.2.1", 9)}  # TEST-NET-1: never answers
+    started = time.monotonic()
+    found = DirectReader(endpoints, 10, 2).reachable(timeout_s=0.5)
+    assert found == set(range(12)) - {5}
+    assert time.monotonic() - started < 2.0
