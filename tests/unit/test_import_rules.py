@@ -73,6 +73,7 @@ SERVER_SIDE = (
     "kvstore.blockstore.segments",
     "kvstore.blockstore.shardindex",
     "kvstore.blockstore.logfiles",
+    "kvstore.blockstore.readserver",  # a node's engine read socket
 )
 
 
