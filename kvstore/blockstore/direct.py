@@ -237,6 +237,9 @@ class DirectReader:
                 raise ValueError(f"offsets: {len(offsets)} for {n} blocks")
         if n and ((starts < 0).any() or int((starts + sizes).max()) > len(view)):
             raise ValueError(f"out: {len(view)} bytes do not hold the blocks at their offsets")
+        order = np.argsort(starts, kind="stable")
+        if n > 1 and (starts[order][1:] < (starts + sizes)[order][:-1]).any():
+            raise ValueError("offsets: two blocks overlap (one would overwrite the other)")
         keys = b"".join(block.key for block in blocks)
         if len(keys) != 32 * n:
             raise ValueError("blocks: every key must be 32 bytes")

@@ -77,6 +77,10 @@ def test_blocks_go_where_the_offsets_say(tier: ReadNodes) -> None:
     for block, at in zip(blocks, offsets, strict=True):
         assert np.array_equal(out[at : at + SIZE], tier.payloads[block.key])
     assert not out[SIZE : 2 * SIZE].any()  # nothing written outside the blocks
+    with pytest.raises(ValueError, match="overlap"):
+        reader.read_into(tier.capability(blocks), blocks, out, [0, SIZE // 2, 2 * SIZE])
+    with pytest.raises(ValueError, match="do not hold"):
+        reader.read_into(tier.capability(blocks), blocks, out[: 2 * SIZE])
 
 
 def test_a_node_down_is_decoded_around_from_parity(tier: ReadNodes) -> None:
