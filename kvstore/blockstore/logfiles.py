@@ -38,6 +38,11 @@ class LogFile(Protocol):
         """Fill ``into`` from ``offset``; returns the bytes read (fewer at the end)."""
         ...
 
+    def reader(self) -> int | None:
+        """A new read descriptor of this file, the caller's to close; None where the file has
+        none (in memory). It stays valid after the file is closed and removed here."""
+        ...
+
     def start_writes(self) -> None:
         """Open the file for writing (the open segment of a restarted log)."""
         ...
@@ -103,6 +108,9 @@ class DiskFile:
 
     def read_into(self, offset: int, into: memoryview) -> int:
         return os.preadv(self._read_fd, [into], offset)
+
+    def reader(self) -> int | None:
+        return os.dup(self._read_fd)
 
     def start_writes(self) -> None:
         self._write_fd = self._directory.open_write(self._name)
@@ -188,6 +196,9 @@ class MemoryFile:
         chunk = self._data[offset : offset + len(into)]
         into[: len(chunk)] = chunk
         return len(chunk)
+
+    def reader(self) -> int | None:
+        return None
 
     def start_writes(self) -> None:
         self._writable = True

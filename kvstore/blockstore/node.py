@@ -437,6 +437,55 @@ class StorageNode:
         self._counters["bytes_read"] += position
         return buffer[:position], lengths
 
+    def shard_sizes(self, keys: Sequence[bytes]) -> list[int]:
+        """Bytes ``get`` would answer for each key (-1: not held), from the index alone: what
+        the engine read socket reserves of its reply budget before it reads
+        (``readserver``)."""
+        rows = [self._committed.get(bytes(key)) for key in keys]
+        sizes = self._index.column("body_len")
+        return [-1 if row is None else int(sizes[row]) for row in rows]
+
+    def shard_extents(
+        self, keys: Sequence[bytes]
+    ) -> tuple[list[tuple[int, int, int] | None], dict[int, int]] | None:
+        """Where each committed shard of ``keys`` is: (segment, offset of its codec shard,
+        bytes), None when not held; and a new read descriptor of each segment named
+        (``SegmentLog.reader``), the caller's to close. For sending the bytes straight from
+        the segment files (``readserver``, ``os.sendfile``) once the node's lock is let go:
+        a record's bytes never change (the log is only appended to), and a descriptor keeps
+        its segment readable even if compaction removes it meanwhile. None where a segment
+        has no descriptor (the log in memory): use ``get``."""
+        self._counters["gets"] += len(keys)
+        rows = [self._committed.get(bytes(key)) for key in keys]
+        held = [row for row in rows if row is not None]
+        readers: dict[int, int] = {}
+        extents: list[tuple[int, int, int] | None] = [None] * len(keys)
+        if not held:
+            self._counters["get_missing"] += len(keys)
+            return extents, readers
+        at = np.array(held, np.int64)
+        segs = self._index.column("seg")[at].tolist()
+        offsets = (self._index.column("offset")[at] + RECORD_BYTES).tolist()
+        sizes = self._index.column("body_len")[at].tolist()
+        try:
+            for seq in set(segs):
+                fd = self._log.reader(seq)
+                if fd is None:
+                    raise LookupError(seq)
+                readers[seq] = fd
+        except LookupError:
+            for fd in readers.values():
+                os.close(fd)
+            return None
+        n = 0
+        for i, row in enumerate(rows):
+            if row is not None:
+                extents[i] = (segs[n], offsets[n], sizes[n])
+                n += 1
+        self._counters["get_missing"] += len(keys) - len(held)
+        self._counters["bytes_read"] += sum(sizes)
+        return extents, readers
+
     def read_shards(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
         """Like ``get`` but one array per key (None = not held)."""
         return split_shards(self.get(keys))

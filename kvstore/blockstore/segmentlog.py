@@ -172,6 +172,12 @@ class SegmentLog:
         segment = self._segments.get(seq)
         return segment is not None and segment.read(offset, length, into)
 
+    def reader(self, seq: int) -> int | None:
+        """A new read descriptor of segment ``seq`` (the caller closes it), None when the
+        segment is gone or has none (``LogFile.reader``)."""
+        segment = self._segments.get(seq)
+        return None if segment is None else segment.file.reader()
+
     def segment(self, seq: int) -> Segment | None:
         return self._segments.get(seq)
 

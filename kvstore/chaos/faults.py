@@ -154,6 +154,17 @@ class _DelayedReads:
                 self._actor._lock.acquire()
         return self._node.get(keys)
 
+    def shard_extents(self, keys: Sequence[bytes]) -> Any:
+        """The engine read socket's way to the shards: as slow as ``get``."""
+        delay = getattr(self._actor, "_delay_s", 0.0)
+        if delay > 0:
+            self._actor._lock.release()
+            try:
+                time.sleep(delay)
+            finally:
+                self._actor._lock.acquire()
+        return self._node.shard_extents(keys)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._node, name)
 
@@ -186,6 +197,7 @@ def make_slow(tier: ChaosTier, node_id: int, delay_s: float) -> Any:
         config.deployment,
         config.meta_shards,
         config.call_timeout_s,
+        tier.handles.read_key(),
         delay_s=delay_s,
     )
     ray.get(handle.ping.remote(), timeout=120)

@@ -24,6 +24,10 @@ The map, one module per job (this ``__init__`` imports none of them):
 - ``server``: ``FastCallServer``, serving an object's methods;
 - ``client``: ``connect`` and ``FastChannel``, calling them.
 
+A storage node's engine read socket (``kvstore.blockstore.readserver``), where engines read
+with a lease's read capability instead of the actor's key, is built from the same parts
+(``admission``, ``budget``, ``frames``, ``tls``).
+
 Finding an actor's endpoint is Ray's business (it hands the endpoint and its key out):
 ``kvstore.runtime.endpoints`` (``FastChannels``). This package imports neither Ray nor the
 runtime.

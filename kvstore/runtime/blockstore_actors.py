@@ -32,11 +32,13 @@ import ray
 from ray.exceptions import RayError
 
 from kvstore.blockstore.calls import MetaShardCalls, StorageNodeCalls
+from kvstore.blockstore.capability import READ_KEY_BYTES, Revocations
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig
 from kvstore.blockstore.fanout import META, NODE, Target
 from kvstore.blockstore.meta import MetaShard
 from kvstore.blockstore.node import StorageNode
 from kvstore.blockstore.placement import meta_shard_of
+from kvstore.blockstore.readserver import EngineReadServer
 from kvstore.blockstore.repair import HealthTracker, Repairer
 from kvstore.blockstore.repairloop import RepairLoop
 from kvstore.errors import StoreError
@@ -133,7 +135,11 @@ class StorageNodeActor:
         deployment: str,
         meta_shards: int,
         call_timeout_s: float,
+        read_key: bytes | None = None,
     ) -> None:
+        """``read_key``: the cluster read key capabilities are minted under (deploy makes it;
+        None: a key of its own, which no tier holds, so its engine read socket serves
+        nothing)."""
         self._node = StorageNode(node_id, data_dir, node_config)
         self._incarnation = os.urandom(8).hex()
         self._deployment = deployment
@@ -150,6 +156,18 @@ class StorageNodeActor:
             ray.util.get_node_ip_address(),
             frame_limit=NODE_FRAME_BYTES,
             max_inflight_bytes=NODE_INFLIGHT_BYTES,
+        )
+        # Engines read their leases' shards here with a read capability, never the key above
+        # (``kvstore.blockstore.readserver``); same data-plane setting, a port of its own.
+        self._read_key = read_key if read_key is not None else os.urandom(READ_KEY_BYTES)
+        self._revoked = Revocations()
+        self._reads = EngineReadServer.from_env(
+            node_id,
+            self._read_key,
+            self._served(),
+            self._lock,
+            self._revoked,
+            ray.util.get_node_ip_address(),
         )
 
         self._compaction = threading.Thread(
@@ -180,18 +198,35 @@ class StorageNodeActor:
         """Where (and with which key) the direct socket of this incarnation listens."""
         return self._fast.endpoint
 
+    def read_endpoint(self) -> tuple[str, int]:
+        """Where this incarnation's engine read socket listens (no key: engines present a
+        read capability)."""
+        return self._reads.endpoint
+
+    def read_key(self) -> bytes:
+        """The cluster read key, for the in-cluster process that mints capabilities (the
+        tier), through Ray as the fastcall keys are; never handed on to an engine."""
+        return self._read_key
+
+    def revoke(self, lease_ids: Sequence[str], until: float) -> int:
+        """Stop honouring the capabilities of ``lease_ids`` (released leases) until
+        ``until``; returns the ids remembered. The tier calls it when a lease is released."""
+        return self._revoked.revoke([str(i) for i in lease_ids], float(until), time.time())
+
     def incarnation(self) -> str:
         """Differs after every (re)start of the actor."""
         return self._incarnation
 
     def stats(self) -> dict[str, object]:
         """The node's figures, and the data calls each plane served (``fastcall``: the
-        socket's, with its in-flight budget; ``ray_calls``: those that came through Ray)."""
+        socket's, with its in-flight budget; ``ray_calls``: those that came through Ray;
+        ``engine_reads``: the engine read socket's)."""
         with self._lock:
             return {
                 **self._node.stats(),
                 "fastcall": self._fast.stats(),
                 "ray_calls": dict(self._ray_calls),
+                "engine_reads": {**self._reads.stats(), "revoked": len(self._revoked)},
             }
 
     def reclaim_orphans(self, grace_s: float) -> dict[str, int]:

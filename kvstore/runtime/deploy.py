@@ -28,6 +28,7 @@ import ray
 from ray.exceptions import RayError
 
 from kvstore.blockstore.calls import meta_target, node_target
+from kvstore.blockstore.capability import READ_KEY_BYTES
 from kvstore.blockstore.client import BlockStoreClient
 from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.blockstore.dirlock import open_lock, wait_unlocked
@@ -75,6 +76,10 @@ class BlockStoreHandles:
     metas: list[Any]
     repair: Any | None = None
     node_options: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: The cluster read key (made at deploy, held by the nodes): only for minting read
+    #: capabilities in-cluster; never sent to an engine or a client. None until ``read_key``
+    #: asks a node for it (handles found by name: an engine's fetcher never asks).
+    cluster_read_key: bytes | None = field(default=None, repr=False)
 
     def fanout(self) -> RayFanout:
         """The fanout a client of this deployment calls through: the data and hit paths over
@@ -110,6 +115,49 @@ class BlockStoreHandles:
         if missing:
             raise StoreError(f"block store {config.deployment!r} not found: {missing}")
         return cls(config, nodes, metas, find_actor(repair_actor_name(config.deployment)))
+
+    def read_key(self, timeout: float = _START_TIMEOUT_S) -> bytes:
+        """The cluster read key capabilities are minted under (``capability.mint``): the one
+        this process deployed with, or asked of a node through Ray. For the tier only."""
+        if self.cluster_read_key is None:
+            errors = []
+            for node_id, handle in sorted(self.nodes.items()):
+                try:
+                    self.cluster_read_key = bytes(
+                        ray.get(handle.read_key.remote(), timeout=timeout)
+                    )
+                    break
+                except RayError as error:
+                    errors.append(f"node {node_id}: {error}")
+            else:
+                raise StoreError(f"no storage node handed out the read key: {errors}")
+        return self.cluster_read_key
+
+    def read_endpoints(self, timeout: float = _START_TIMEOUT_S) -> dict[int, tuple[str, int]]:
+        """Each answering node's engine read socket (host, port): what an engine dials."""
+        refs = {node_id: h.read_endpoint.remote() for node_id, h in self.nodes.items()}
+        out: dict[int, tuple[str, int]] = {}
+        for node_id, ref in refs.items():
+            try:
+                host, port = ray.get(ref, timeout=timeout)
+            except RayError as error:
+                log.info("node %d: no engine read endpoint: %s", node_id, error)
+                continue
+            out[node_id] = (str(host), int(port))
+        return out
+
+    def revoke(self, lease_ids: Sequence[str], until: float, timeout: float = 10.0) -> int:
+        """Revoke the read capabilities of ``lease_ids`` on every node (released leases);
+        returns how many nodes acknowledged."""
+        refs = [h.revoke.remote(list(lease_ids), until) for h in self.nodes.values()]
+        done = 0
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=timeout)
+                done += 1
+            except RayError as error:
+                log.warning("a node did not take a revocation: %s", error)
+        return done
 
     def wait_ready(self, timeout: float = _START_TIMEOUT_S) -> None:
         """Until every node answers and every meta shard finished its rebuild."""
@@ -150,7 +198,9 @@ class BlockStoreHandles:
         deadline = time.monotonic() + 30
         while True:
             try:
-                handle = _start_node(self.config, node_id, self.node_options.get(node_id, {}))
+                handle = _start_node(
+                    self.config, node_id, self.node_options.get(node_id, {}), self.read_key()
+                )
                 break
             except ValueError:  # the dead actor's name is released asynchronously
                 if time.monotonic() > deadline:
@@ -181,7 +231,9 @@ class BlockStoreHandles:
             time.sleep(0.05)
 
 
-def _start_node(config: BlockStoreConfig, node_id: int, placement: dict[str, Any]) -> Any:
+def _start_node(
+    config: BlockStoreConfig, node_id: int, placement: dict[str, Any], read_key: bytes
+) -> Any:
     options = actor_options(node_actor_name(config.deployment, node_id), **placement)
     return StorageNodeActor.options(**options).remote(  # type: ignore[attr-defined]
         node_id,
@@ -190,6 +242,7 @@ def _start_node(config: BlockStoreConfig, node_id: int, placement: dict[str, Any
         config.deployment,
         config.meta_shards,
         config.call_timeout_s,
+        read_key,
     )
 
 
@@ -240,7 +293,12 @@ def deploy_blockstore(
         raise StoreError("Ray is not connected: call kvstore.runtime.cluster.connect() first")
     placements, domains = _node_placements(config, cluster)
     config = config.with_overrides(failure_domains=domains)
-    nodes = {i: _start_node(config, i, placements[i]) for i in range(config.storage_nodes)}
+    # The cluster read key: made here, handed to the nodes as an actor argument (Ray keeps it
+    # in-cluster and gives it back to a restarted node), never written to disk or config.
+    read_key = os.urandom(READ_KEY_BYTES)
+    nodes = {
+        i: _start_node(config, i, placements[i], read_key) for i in range(config.storage_nodes)
+    }
     node_ids = sorted(nodes)
     if wait:  # nodes first, so the meta shards' rebuild finds them answering
         ray.get([h.ping.remote() for h in nodes.values()], timeout=_START_TIMEOUT_S)
@@ -256,7 +314,7 @@ def deploy_blockstore(
         repair = RepairActor.options(  # type: ignore[attr-defined]
             **actor_options(repair_actor_name(config.deployment), **control)
         ).remote(config, node_ids)
-    handles = BlockStoreHandles(config, nodes, metas, repair, placements)
+    handles = BlockStoreHandles(config, nodes, metas, repair, placements, read_key)
     if wait:
         handles.wait_ready()
     return handles

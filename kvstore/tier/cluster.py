@@ -29,9 +29,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvstore.blockstore.capability import ReadCapability, mint_for_lease
 from kvstore.blockstore.client import BlockStoreClient
 from kvstore.blockstore.records import Lease, PutResult
-from kvstore.clock import Clock
+from kvstore.clock import Clock, SystemClock
 from kvstore.errors import InvalidArgument, LeaseError, Overloaded, StoreError
 from kvstore.hitplan import check_store_position
 from kvstore.keys import BlockKey, check_key, check_keys, state_slot
@@ -123,13 +124,18 @@ class ClusterTier:
         clock: Clock | None = None,
         foreign_leases: bool = False,
         machine_addresses: Mapping[str, str] | None = None,
+        read_key: bytes | None = None,
     ) -> None:
         """``foreign_leases``: this tier reads for another process that took the leases (an
         engine's fetcher process; its scheduler-side tier holds the leases and releases them
         after the load), so a lease id it does not know is read without a lease instead of
         being refused (the gateway refuses: NOT_FOUND). ``machine_addresses``: IP address →
-        machine id of the machines with an SWA store (``machine_at``)."""
+        machine id of the machines with an SWA store (``machine_at``). ``read_key``: the
+        cluster read key (``kvstore.blockstore.capability``), for minting the read capability
+        of a lease (``read_capability``); None: this tier mints none (an engine's own tier
+        never holds the key)."""
         self._machine_addresses = dict(machine_addresses or {})
+        self._read_key = read_key
         self.model_fingerprint = geometry.fingerprint()
         self.state_size = state_size
         self.block_bytes = block_bytes
@@ -140,7 +146,8 @@ class ClusterTier:
         self._control = control or NoControl()
         self._classes = tuple(blocks.config.traffic_classes)
         self._storage_nodes = blocks.config.storage_nodes
-        self._leases: LeaseTable[Lease] = LeaseTable(max_open_leases, clock)
+        self._clock = clock or SystemClock()
+        self._leases: LeaseTable[Lease] = LeaseTable(max_open_leases, self._clock)
         self.hit_counters = HitCounters()
         self._degraded_reads = 0
         self._lock = threading.Lock()
@@ -259,6 +266,19 @@ class ClusterTier:
         if request.counted:
             self.hit_counters.count(request.holder.tenant, name, result.plan, result.keys.shape[0])
         return result.answer(lease_id)
+
+    def read_capability(self, lease_id: str) -> ReadCapability | None:
+        """The read capability of a lease this tier holds: its tenant may read every shard of
+        its blocks straight from the node the lookup placed it on, until the lease ends
+        (``capability.mint_for_lease``). None when this tier has no read key or the lease is
+        unknown (taken, released, swept): the engine then reads through ``get_blocks``."""
+        if self._read_key is None:
+            return None
+        lease = self._leases.peek(lease_id)
+        tag = self._leases.tag(lease_id)
+        if lease is None or tag is None:
+            return None
+        return mint_for_lease(self._read_key, lease, tag.tenant, self._clock.now())
 
     def lease_tag(self, lease_id: str) -> LeaseTag | None:
         return self._leases.tag(lease_id)

@@ -55,6 +55,10 @@ CLIENT_SIDE = (
     "kvstore.blockstore.calls",
     "kvstore.blockstore.placement",
     "kvstore.blockstore.records",
+    # An engine's direct reads: the reader, the capability it carries, their wire format.
+    "kvstore.blockstore.direct",
+    "kvstore.blockstore.capability",
+    "kvstore.blockstore.readproto",
     "kvstore.blockstore.repair",
     "kvstore.blockstore.repairloop",
     "kvstore.gc.worker",
@@ -69,6 +73,7 @@ SERVER_SIDE = (
     "kvstore.blockstore.segments",
     "kvstore.blockstore.shardindex",
     "kvstore.blockstore.logfiles",
+    "kvstore.blockstore.readserver",  # a node's engine read socket
 )
 
 

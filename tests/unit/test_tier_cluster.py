@@ -4,17 +4,19 @@ facade's copies had (degraded reads credited to the wrong request; hit keys that
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
 import pytest
 from tier_parts import GEOMETRY, InProcessTier
 
+from kvstore.blockstore.capability import CapabilityRefused, verify
 from kvstore.blockstore.fanout import NODE
 from kvstore.errors import InvalidArgument, LeaseError, StateRejected
 from kvstore.keys import block_keys
 from kvstore.tier.files import DirectoryTier
-from kvstore.tier.records import HitRequest
+from kvstore.tier.records import HitRequest, LeaseTag
 
 BLOCK = GEOMETRY.block_tokens
 STATE = GEOMETRY.state_size_to_disk
@@ -284,3 +286,44 @@ def test_the_asyncio_path_plans_the_same_and_coalesces_concurrent_hits(
     assert outstanding_leases(parts) == 0
     coalescing = tier.stats().extra["coalescing"]["lookups"]
     assert coalescing["requests"] == 9 and coalescing["batches"] < 9
+
+
+def test_a_granted_lease_mints_a_capability_for_exactly_its_shards(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    read_key = os.urandom(32)
+    parts = InProcessTier(tmp_path, release_batch_s=0, read_key=read_key)
+    tier = parts.tier
+    tokens, keys = prompt(4)
+    tier.put_blocks(keys, [payload(k) for k in keys], "chatbot")
+    holder = LeaseTag(tenant="alice")
+    answer = tier.query_hit(HitRequest(token_ids=tokens, traffic_class="chatbot", holder=holder))
+    assert answer.lease_id
+    lease = tier._leases.peek(answer.lease_id)
+    assert lease is not None
+    capability = tier.read_capability(answer.lease_id)
+    assert capability is not None
+    assert (capability.lease_id, capability.tenant, capability.expires) == (
+        answer.lease_id,
+        "alice",
+        lease.until,
+    )
+    now = parts.clock.now()
+    placed = set()
+    for key, row in zip(lease.block_keys, lease.placements.tolist(), strict=True):
+        for node in row:
+            verify(read_key, capability, node, key, now)
+            placed.add((node, bytes(key)))
+    named = {(n, k) for n, grant in capability.grants.items() for k in grant.keys}
+    assert named == placed  # exactly the lease's shards, where the lookup placed them
+    other = prompt(1, seed=9)[1][0]
+    with pytest.raises(CapabilityRefused):
+        verify(read_key, capability, 0, other, now)
+    tier.release_lease(answer.lease_id)
+    assert tier.read_capability(answer.lease_id) is None  # released: none minted any more
+
+
+def test_a_tier_without_the_read_key_mints_nothing(parts: InProcessTier) -> None:
+    tokens, keys = prompt(2)
+    parts.tier.put_blocks(keys, [payload(k) for k in keys], "chatbot")
+    answer = parts.tier.query_hit(HitRequest(token_ids=tokens, traffic_class="chatbot"))
+    assert answer.lease_id is not None
+    assert parts.tier.read_capability(answer.lease_id) is None

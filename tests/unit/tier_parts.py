@@ -39,6 +39,7 @@ class InProcessTier:
         *,
         local_machine: str | None = "m0",
         max_open_leases: int = 1000,
+        read_key: bytes | None = None,
         **block_overrides: object,
     ) -> None:
         self.blocks = BlockTier(root, **block_overrides)
@@ -60,4 +61,5 @@ class InProcessTier:
             control=LocalControl(self.blocks),
             max_open_leases=max_open_leases,
             clock=self.clock,
+            read_key=read_key,
         )

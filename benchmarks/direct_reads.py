@@ -1,0 +1,203 @@
+"""Direct reads vs the client's ``get_blocks``, same run, same deployed block tier.
+
+What runs: an embedded local Ray with the block tier deployed as in production (12 storage
+node actors, 10+2, each its own data dir; every shard crosses a node's socket to this process).
+The same blocks (default 774 of 128 KiB: 99 MiB, a ~100k-token prompt's worth) are read, run by
+run, in alternating order:
+
+- direct: what an engine's fetcher would do with its lease's read capability: each node's
+  engine read socket asked for its shards, received straight into one staging buffer
+  (``DirectReader.read_into``; the capability minted from the lease, as the tier would at
+  grant: minting is timed apart);
+- get_blocks: the existing client read with the lease, as the gateway does before it streams
+  the blocks back (arrays in the client's arena);
+- get_blocks + copy: the same, then each block copied into a staging buffer (what an engine
+  needs in the end; the gateway's gRPC relay adds its own copies on top).
+
+Each run takes a fresh lookup (its lease; not timed) and checks every block bit-exact (not
+timed). GB/s is payload bytes (10^9) over wall seconds; medians over ``--runs`` (after one
+warm-up each). The issue's target: >= 1 GB/s into staging by the direct path. The machine is
+shared: compare the rows of one run.
+
+    python3 benchmarks/direct_reads.py [--blocks 774] [--block-kib 128] [--runs 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+
+from kvstore.blockstore.capability import mint_for_lease  # noqa: E402
+from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig  # noqa: E402
+from kvstore.blockstore.direct import DirectReader  # noqa: E402
+from kvstore.runtime.cluster import LocalClusterConfig, connect  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=774)
+    parser.add_argument("--block-kib", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per path (>= 3)")
+    parser.add_argument("--data-root", default=None, help="where the nodes' data dirs go")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON too")
+    args = parser.parse_args(argv)
+    if args.runs < 3:
+        parser.error("--runs: at least 3 (medians)")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvstore.runtime.deploy import deploy_blockstore
+
+    size = args.block_kib * 1024
+    data_root = tempfile.mkdtemp(prefix="kvstore-bench-direct-", dir=args.data_root)
+    config = BlockStoreConfig(
+        data_root=data_root,
+        node=StorageNodeConfig(fsync="never"),
+        deployment="bench-direct",
+        call_timeout_s=30.0,
+    )
+    handles = None
+    try:
+        connect(None, config=LocalClusterConfig(head_object_store_mib=2048))
+        handles = deploy_blockstore(config, start_repair=False)
+        client = handles.client()
+        rng = np.random.default_rng(11)
+        keys = [os.urandom(32) for _ in range(args.blocks)]
+        payloads = [rng.integers(0, 256, size, dtype=np.uint8) for _ in keys]
+        for start in range(0, len(keys), 64):
+            put = client.put_blocks(keys[start : start + 64], payloads[start : start + 64])
+            assert put.ok and not put.busy, put
+        expected = np.concatenate(payloads)
+        read_key = handles.read_key()  # this process is the tier here: it mints
+        reader = DirectReader(handles.read_endpoints(), config.data_shards, config.parity_shards)
+        staging = np.zeros(args.blocks * size, np.uint8)
+        seconds: dict[str, list[float]] = {"direct": [], "get_blocks": [], "get_blocks + copy": []}
+        mint_s: list[float] = []
+
+        def direct() -> float:
+            staging[:] = 0
+            found = client.lookup(keys)
+            assert found.lease is not None and found.hit_blocks == len(keys)
+            began = time.perf_counter()
+            capability = mint_for_lease(read_key, found.lease, "bench")
+            mint_s.append(time.perf_counter() - began)
+            blocks = list(found.lease.blocks)
+            began = time.perf_counter()
+            ok = reader.read_into(capability, blocks, staging)
+            took = time.perf_counter() - began
+            client.release(found.lease)
+            assert all(ok) and np.array_equal(staging, expected), "direct: not bit-exact"
+            return took
+
+        def gateway(copy: bool) -> float:
+            staging[:] = 0
+            found = client.lookup(keys)
+            assert found.lease is not None
+            began = time.perf_counter()
+            got = client.get_blocks(keys, found.lease)
+            if copy:
+                at = 0
+                for block in got:
+                    assert block is not None
+                    staging[at : at + block.size] = block
+                    at += block.size
+            took = time.perf_counter() - began
+            client.release(found.lease)
+            assert all(g is not None for g in got)
+            if copy:
+                assert np.array_equal(staging, expected), "get_blocks: not bit-exact"
+            else:
+                assert all(np.array_equal(g, p) for g, p in zip(got, payloads, strict=True))
+            return took
+
+        paths = {
+            "direct": direct,
+            "get_blocks": lambda: gateway(False),
+            "get_blocks + copy": lambda: gateway(True),
+        }
+        for measure in paths.values():  # warm-up: connections, pages, caches
+            measure()
+        mint_s.clear()
+        order = list(paths)
+        for turn in range(args.runs):
+            for name in order if turn % 2 == 0 else reversed(order):
+                seconds[name].append(paths[name]())
+        total = args.blocks * size
+        rows = {
+            name: {
+                "median_gbps": total / statistics.median(times) / 1e9,
+                "best_gbps": total / min(times) / 1e9,
+                "median_ms": 1000 * statistics.median(times),
+                "runs": len(times),
+            }
+            for name, times in seconds.items()
+        }
+        return {
+            "config": {
+                "blocks": args.blocks,
+                "block_bytes": size,
+                "payload_bytes": total,
+                "storage_nodes": config.storage_nodes,
+                "k": config.data_shards,
+                "m": config.parity_shards,
+                "cpus": os.cpu_count(),
+            },
+            "rows": rows,
+            "mint_ms_median": 1000 * statistics.median(mint_s),
+            "reader": dict(reader.counters),
+        }
+    finally:
+        if handles is not None:
+            handles.shutdown()
+        shutil.rmtree(data_root, ignore_errors=True)
+
+
+def table(results: dict[str, Any]) -> str:
+    config = results["config"]
+    lines = [
+        f"{config['blocks']} blocks x {config['block_bytes'] // 1024} KiB = "
+        f"{config['payload_bytes'] / 1e6:.1f} MB, {config['storage_nodes']} storage nodes "
+        f"({config['k']}+{config['m']}), {config['cpus']} CPUs, same run",
+        f"{'path':<20} {'GB/s (median)':>14} {'GB/s (best)':>12} {'ms (median)':>12} {'runs':>5}",
+    ]
+    for name, row in results["rows"].items():
+        lines.append(
+            f"{name:<20} {row['median_gbps']:>14.3f} {row['best_gbps']:>12.3f} "
+            f"{row['median_ms']:>12.1f} {row['runs']:>5}"
+        )
+    direct = results["rows"]["direct"]["median_gbps"]
+    relayed = results["rows"]["get_blocks"]["median_gbps"]
+    lines.append(
+        f"direct / get_blocks: {direct / relayed:.2f}x; minting the capability: "
+        f"{results['mint_ms_median']:.1f} ms (median); target >= 1 GB/s direct: "
+        f"{'met' if direct >= 1.0 else 'missed'}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = run(args)
+    print(table(results))
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

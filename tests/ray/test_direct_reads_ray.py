@@ -1,0 +1,118 @@
+"""Direct reads on a deployed block tier (real storage node actors on the session Ray cluster):
+every node serves its engine read socket beside its fastcall one, with the read key deploy
+made; a capability minted from a real lookup's lease reads the blocks bit-exact straight into
+one buffer, and a revocation sent through the actors stops it."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import ray
+from ray.exceptions import RayError
+
+from kvstore.blockstore.capability import mint_for_lease
+from kvstore.blockstore.config import BlockStoreConfig
+from kvstore.blockstore.direct import DirectReader
+from kvstore.runtime.cluster import LocalCluster
+from kvstore.runtime.deploy import BlockStoreHandles, deploy_blockstore
+
+SIZE = 128 * 1024
+
+
+@pytest.fixture(scope="module")
+def handles(
+    ray_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BlockStoreHandles]:
+    config = BlockStoreConfig(
+        storage_nodes=12,
+        meta_shards=1,
+        data_root=str(tmp_path_factory.mktemp("direct")),
+        deployment="direct-reads-test",
+        call_timeout_s=15.0,
+    )
+    deployed = deploy_blockstore(config, ray_cluster, start_repair=False)
+    yield deployed
+    deployed.shutdown()
+
+
+def test_a_leases_blocks_read_straight_from_the_nodes(handles: BlockStoreHandles) -> None:
+    client = handles.client()
+    keys = [os.urandom(32) for _ in range(40)]
+    rng = np.random.default_rng(3)
+    payloads = [rng.integers(0, 256, SIZE, dtype=np.uint8) for _ in keys]
+    assert client.put_blocks(keys, payloads).stored == keys
+    found = client.lookup(keys)
+    assert found.hit_blocks == len(keys) and found.lease is not None
+    lease = found.lease
+    capability = mint_for_lease(handles.read_key(), lease, "alice")
+    endpoints = handles.read_endpoints()
+    assert sorted(endpoints) == list(range(12))
+    config = handles.config
+    reader = DirectReader(endpoints, config.data_shards, config.parity_shards)
+    out = np.zeros(len(keys) * SIZE, np.uint8)
+    assert reader.read_into(capability, list(lease.blocks), out) == [True] * len(keys)
+    for b, payload in enumerate(payloads):
+        assert np.array_equal(out[b * SIZE : (b + 1) * SIZE], payload)
+    assert reader.counters["fast_blocks"] == len(keys)
+
+    # Released: the tier revokes through the actors; the same capability reads nothing.
+    assert handles.revoke([lease.lease_id], lease.until) == 12
+    out[:] = 0
+    assert reader.read_into(capability, list(lease.blocks), out) == [False] * len(keys)
+    assert not out.any()
+    stats = ray.get(handles.nodes[0].stats.remote(), timeout=30)["engine_reads"]
+    assert stats["revoked"] == 1 and stats.get("refused_revoked", 0) > 0
+    client.release(lease)
+
+
+def test_a_key_made_up_by_an_engine_reads_nothing(handles: BlockStoreHandles) -> None:
+    client = handles.client()
+    keys = [os.urandom(32) for _ in range(4)]
+    payloads = [np.full(SIZE, 7, np.uint8) for _ in keys]
+    assert client.put_blocks(keys, payloads).stored == keys
+    found = client.lookup(keys)
+    assert found.lease is not None
+    forged = mint_for_lease(os.urandom(32), found.lease, "alice")
+    reader = DirectReader(handles.read_endpoints(), 10, 2)
+    out = np.zeros(len(keys) * SIZE, np.uint8)
+    assert reader.read_into(forged, list(found.lease.blocks), out) == [False] * len(keys)
+    client.release(found.lease)
+
+
+def test_a_restarted_node_serves_direct_reads_under_the_same_key(
+    handles: BlockStoreHandles,
+) -> None:
+    """Ray restarts a crashed node with its arguments, the read key among them: it serves
+    capabilities minted before its crash, on its new port."""
+    client = handles.client()
+    keys = [os.urandom(32) for _ in range(6)]
+    payloads = [np.full(SIZE, i, np.uint8) for i in range(len(keys))]
+    assert client.put_blocks(keys, payloads).stored == keys
+    found = client.lookup(keys)
+    assert found.lease is not None
+    capability = mint_for_lease(handles.read_key(), found.lease, "alice")
+    before = handles.read_endpoints()[3]
+    incarnation = ray.get(handles.nodes[3].incarnation.remote(), timeout=30)
+    handles.kill_node(3, restart=True)
+    deadline = time.monotonic() + 120
+    while True:  # until the restarted incarnation answers
+        try:
+            if ray.get(handles.nodes[3].incarnation.remote(), timeout=10) != incarnation:
+                break
+        except RayError:
+            pass
+        assert time.monotonic() < deadline, "node 3 did not restart"
+        time.sleep(0.2)
+    endpoints = handles.read_endpoints()
+    assert endpoints[3] != before
+    reader = DirectReader(endpoints, 10, 2)
+    out = np.zeros(len(keys) * SIZE, np.uint8)
+    assert reader.read_into(capability, list(found.lease.blocks), out) == [True] * len(keys)
+    assert reader.counters["fast_blocks"] == len(keys)  # node 3's data shards included
+    for b, payload in enumerate(payloads):
+        assert np.array_equal(out[b * SIZE : (b + 1) * SIZE], payload)
+    client.release(found.lease)

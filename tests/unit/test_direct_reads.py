@@ -1,0 +1,235 @@
+"""``DirectReader``: blocks straight from real storage nodes' engine read sockets into the
+caller's buffer; parity only when a data shard is missing or bad; a miss, never wrong bytes."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from certs import self_signed
+from readnodes import ReadNodes, block_key
+
+from kvstore.blockstore.direct import DirectReader, _Connection
+from kvstore.blockstore.readserver import EngineReadServer
+from kvstore.blockstore.records import BlockLocation
+from kvstore.blockstore.segments import RECORD_BYTES
+from kvstore.ec.shard import HEADER_BYTES
+from kvstore.fastcall.tls import ClientTLS, ServerTLS
+
+SIZE = 100_000  # not a multiple of 10 x 64: the last fragment carries padding
+
+
+@pytest.fixture
+def tier(tmp_path) -> Iterator[ReadNodes]:  # type: ignore[no-untyped-def]
+    os.chmod(tmp_path, 0o700)
+    nodes = ReadNodes(tmp_path / "nodes")
+    nodes.put([block_key("t", i) for i in range(24)], SIZE)
+    yield nodes
+    nodes.close()
+
+
+def _lease(tier: ReadNodes) -> list[BlockLocation]:
+    return [tier.locations[block_key("t", i)] for i in range(24)]
+
+
+def _check(tier: ReadNodes, blocks: list[BlockLocation], out: np.ndarray, ok: list[bool]) -> None:
+    for b, (block, good) in enumerate(zip(blocks, ok, strict=True)):
+        if good:
+            assert np.array_equal(out[b * SIZE : (b + 1) * SIZE], tier.payloads[block.key]), b
+
+
+def _damage(tier: ReadNodes, node: int, key: bytes, at: int = 10) -> None:
+    """Flip a byte of the fragment of ``node``'s shard of ``key``, in its segment file."""
+    found = tier.nodes[node].locate([key])[0]
+    assert found is not None
+    path, offset, _ = found
+    where = offset + RECORD_BYTES + HEADER_BYTES + at
+    with open(path, "r+b") as file:
+        file.seek(where)
+        byte = file.read(1)
+        file.seek(where)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_every_block_lands_in_place_without_a_decode(tier: ReadNodes) -> None:
+    blocks = _lease(tier)
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    assert ok == [True] * len(blocks)
+    _check(tier, blocks, out, ok)
+    assert reader.counters["fast_blocks"] == len(blocks)
+    assert reader.counters["decoded_blocks"] == 0
+
+
+def test_blocks_go_where_the_offsets_say(tier: ReadNodes) -> None:
+    blocks = _lease(tier)[:3]
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(4 * SIZE, np.uint8)
+    offsets = [3 * SIZE, 0, 2 * SIZE]
+    assert reader.read_into(tier.capability(blocks), blocks, out, offsets) == [True] * 3
+    for block, at in zip(blocks, offsets, strict=True):
+        assert np.array_equal(out[at : at + SIZE], tier.payloads[block.key])
+    assert not out[SIZE : 2 * SIZE].any()  # nothing written outside the blocks
+    with pytest.raises(ValueError, match="overlap"):
+        reader.read_into(tier.capability(blocks), blocks, out, [0, SIZE // 2, 2 * SIZE])
+    with pytest.raises(ValueError, match="do not hold"):
+        reader.read_into(tier.capability(blocks), blocks, out[: 2 * SIZE])
+
+
+def test_a_node_down_is_decoded_around_from_parity(tier: ReadNodes) -> None:
+    blocks = _lease(tier)
+    tier.servers[4].close()
+    reader = DirectReader(tier.endpoints, 10, 2, timeout_s=5.0)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    assert ok == [True] * len(blocks)
+    _check(tier, blocks, out, ok)
+    assert reader.counters["decoded_blocks"] > 0
+
+
+def test_a_damaged_data_shard_is_found_and_decoded_around(tier: ReadNodes) -> None:
+    blocks = _lease(tier)
+    victim = blocks[5]
+    _damage(tier, victim.placement[2], victim.key)
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    assert ok == [True] * len(blocks)
+    _check(tier, blocks, out, ok)
+    assert reader.counters["corrupt_shards"] == 1 and reader.counters["decoded_blocks"] == 1
+
+
+def test_more_losses_than_parity_is_a_miss_never_wrong_bytes(tier: ReadNodes) -> None:
+    blocks = _lease(tier)
+    victim = blocks[7]
+    for index in (0, 3, 9):  # three shards of one block bad, m = 2
+        _damage(tier, victim.placement[index], victim.key)
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    assert ok == [b != 7 for b in range(len(blocks))]
+    _check(tier, blocks, out, ok)
+
+
+def test_a_reader_outlives_a_node_restart_of_its_socket(tier: ReadNodes) -> None:
+    """A connection the node dropped is dialed again on the next read."""
+    blocks = _lease(tier)[:4]
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    capability = tier.capability(blocks)
+    assert reader.read_into(capability, blocks, out) == [True] * 4
+    for conn in list(reader._conns.values()):
+        conn.close()  # as if each node had hung up
+    ok = reader.read_into(capability, blocks, out)
+    assert ok == [True] * 4
+    _check(tier, blocks, out, ok)
+    assert reader.counters["decoded_blocks"] == 0  # redialed at once, no block went careful
+
+
+def test_a_connection_the_node_let_go_idle_is_redialed(tier: ReadNodes) -> None:
+    for i, server in enumerate(tier.servers):  # nodes that let an idle peer go at once
+        server.close()
+        tier.servers[i] = EngineReadServer(
+            i,
+            tier.key,
+            tier.nodes[i],
+            tier.locks[i],
+            tier.revocations[i],
+            clock=tier.clock,
+            idle_s=0.1,
+        )
+    blocks = _lease(tier)[:4]
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    capability = tier.capability(blocks)
+    assert reader.read_into(capability, blocks, out) == [True] * 4
+    time.sleep(0.5)  # every pooled connection is closed on the nodes' side now
+    ok = reader.read_into(capability, blocks, out)
+    assert ok == [True] * 4
+    _check(tier, blocks, out, ok)
+    assert reader.counters["node_failures"] > 0  # the stale ones, each redialed at once
+    assert reader.counters["decoded_blocks"] == 0
+
+
+def test_over_tls_the_same_bytes_arrive(tier: ReadNodes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With the data plane's TLS setting the nodes send from one buffer (TLS cannot
+    sendfile) and the reader receives piece by piece (TLS has no recvmsg_into)."""
+    cert, key = self_signed(tmp_path)
+    for i, server in enumerate(tier.servers):
+        server.close()
+        tier.servers[i] = EngineReadServer(
+            i,
+            tier.key,
+            tier.nodes[i],
+            tier.locks[i],
+            tier.revocations[i],
+            tls=ServerTLS(cert, key),
+            clock=tier.clock,
+        )
+    blocks = _lease(tier)
+    reader = DirectReader(tier.endpoints, 10, 2, tls=ClientTLS(cert))
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    assert ok == [True] * len(blocks)
+    _check(tier, blocks, out, ok)
+    assert tier.servers[0].stats()["tls"] is True
+    plain = DirectReader(tier.endpoints, 10, 2)  # a reader without TLS gets nothing
+    assert plain.read_into(tier.capability(blocks), blocks, out) == [False] * len(blocks)
+
+
+def test_a_segment_cut_short_behind_the_nodes_back_is_read_around(tier: ReadNodes) -> None:
+    """The node sends from its segment file what its index says is there; a file cut short
+    since (a disk fault) ends its reply early: the reader drops that node and decodes the
+    blocks from the others, never handing out what did not arrive."""
+    blocks = _lease(tier)
+    found = tier.nodes[2].locate([blocks[0].key])[0]
+    assert found is not None
+    path, offset, _ = found
+    os.truncate(path, offset)
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    assert ok == [True] * len(blocks)
+    _check(tier, blocks, out, ok)
+    assert reader.counters["node_failures"] > 0 and reader.counters["decoded_blocks"] > 0
+
+
+def test_a_reply_cut_anywhere_by_the_stream_fills_every_piece_in_order() -> None:
+    """The scatter receive resumes where each ``recvmsg_into`` stopped, mid-piece or not."""
+    rng = random.Random(5)
+    for _ in range(20):
+        sender, receiver = socket.socketpair()
+        sizes = [rng.choice([1, 7, 64, 1000, 13_000, 70_000]) for _ in range(rng.randint(1, 1500))]
+        data = rng.randbytes(sum(sizes))
+
+        def feed(data: bytes = data, sender: socket.socket = sender) -> None:
+            at = 0
+            while at < len(data):
+                cut = rng.randint(1, 300_000)
+                sender.sendall(data[at : at + cut])
+                at += cut
+
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        buffers = [bytearray(size) for size in sizes]
+        _Connection(receiver).recv_pieces([memoryview(b) for b in buffers], time.monotonic() + 30)
+        feeder.join()
+        assert b"".join(buffers) == data
+        sender.close()
+        receiver.close()
+
+
+def test_reachable_names_the_nodes_this_process_can_dial(tier: ReadNodes) -> None:
+    tier.servers[5].close()
+    endpoints = {**tier.endpoints, 12: ("192.0.2.1", 9)}  # TEST-NET-1: never answers
+    started = time.monotonic()
+    found = DirectReader(endpoints, 10, 2).reachable(timeout_s=0.5)
+    assert found == set(range(12)) - {5}
+    assert time.monotonic() - started < 2.0
