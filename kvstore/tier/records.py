@@ -242,7 +242,17 @@ class DirectGrant:
     def __len__(self) -> int:
         return int(self.keys.shape[0])
 
-    def blocks(self) -> list[tuple[bytes, tuple[int, ...], int]]:
+    def part(self, first: int, last: int) -> DirectGrant:
+        """The grant of blocks ``first`` to ``last`` (exclusive) only (the same capability:
+        a load of part of a hit reads with the whole lease's)."""
+        return dataclasses.replace(
+            self,
+            keys=self.keys[first:last],
+            placements=self.placements[first:last],
+            sizes=self.sizes[first:last],
+        )
+
+    def blocks(self) -> list[tuple[BlockKey, tuple[int, ...], int]]:
         """(stored key, placement, size) per block, as ``BlockLocation`` takes them."""
         return [
             (key, tuple(row), size)
