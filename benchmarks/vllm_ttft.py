@@ -418,8 +418,9 @@ def report(figures: dict[str, Any]) -> None:
     print(
         f"kvstore load: {loaded / 1e6:.1f} MB ({figures['tokens_from_cache']} tokens) staged in "
         f"{staged_s:.3f} s = {figures['load_gb_per_s']:.3f} GB/s; of that, "
-        f"{figures['tier_read_seconds']:.3f} s until the tier's answer (GetBlocks through the "
-        f"gateway: every block is read before layer 0 is published)"
+        f"{figures['tier_read_seconds']:.3f} s until every block was read (straight from the "
+        f"storage nodes with the lease's read grant, or through the gateway where the engine "
+        f"reaches no node; layer 0 is published after)"
     )
     by_group = figures["bytes_loaded_by_group"]
     sliding_layers = sum(len(layers) for kind, layers, _ in model["groups"] if kind == "sliding")

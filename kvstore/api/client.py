@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from kvstore.hitplan import HitPlan
 from kvstore.keys import KEY_BYTES, BlockKey, key_words
 from kvstore.tier.records import (
     BlockRead,
+    DirectGrant,
     HitAnswer,
     HitRequest,
     Layout,
@@ -37,6 +39,8 @@ from kvstore.tier.records import (
     StateRead,
     Stats,
 )
+
+log = logging.getLogger(__name__)
 
 _MODES = {
     "standard": pb.HIT_MODE_STANDARD,
@@ -160,6 +164,7 @@ class KVStoreClient:
             traffic_class=hit.traffic_class,
             take_lease=hit.take_lease,
             layout=self._layout if hit.layout is None else _layout_message(hit.layout),
+            direct=hit.direct,
         )
         reply = self._stub.QueryHit(request, **self._kw())
         plan = reply.plan
@@ -185,6 +190,7 @@ class KVStoreClient:
             hit_keys=_unpacked(reply.hit_block_keys_packed)
             if reply.hit_block_keys_packed
             else tuple(BlockKey(key) for key in reply.hit_block_keys),
+            direct=_direct_grant(reply.direct) if reply.HasField("direct") else None,
         )
 
     def put_blocks(
@@ -386,3 +392,23 @@ def _packed(keys: Sequence[bytes] | np.ndarray) -> bytes:
 
 def _unpacked(raw: bytes) -> tuple[BlockKey, ...]:
     return tuple(BlockKey(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES))
+
+
+def _direct_grant(message: Any) -> DirectGrant | None:
+    """A ``DirectRead`` message as its ``DirectGrant``; None (read through the gateway) when it
+    does not describe one whole set of blocks."""
+    try:
+        width = int(message.k) + int(message.m)
+        keys = np.frombuffer(message.block_keys_packed, "<u8").reshape(-1, 4)
+        return DirectGrant(
+            capability=bytes(message.capability),
+            keys=keys,
+            placements=np.frombuffer(message.placements, "<i4").reshape(-1, max(1, width)),
+            sizes=np.frombuffer(message.sizes, "<i8"),
+            endpoints={int(e.node_id): (str(e.host), int(e.port)) for e in message.endpoints},
+            k=int(message.k),
+            m=int(message.m),
+        )
+    except (ValueError, InvalidArgument) as error:
+        log.warning("the gateway's direct read grant is malformed, ignored: %s", error)
+        return None

@@ -40,7 +40,7 @@ from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import ConfigError, InvalidArgument, KVStoreError, Overloaded, grpc_status_name
 from kvstore.keys import BLOCK_TOKENS, KEY_BYTES, BlockKey, key_words
 from kvstore.tenants import RateLimiter, Tenant
-from kvstore.tier.records import MAX_CLASS_CHARS, HitRequest, Layout
+from kvstore.tier.records import MAX_CLASS_CHARS, DirectGrant, HitRequest, Layout
 from kvstore.tier.tenancy import TenantView, TenantViews
 
 log = logging.getLogger(__name__)
@@ -396,6 +396,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             # The response mirrors the request's form of the keys (packed or one per key).
             hit_block_keys=() if packed else list(answer.hit_block_keys),
             hit_block_keys_packed=answer.hit_keys_packed if packed else b"",
+            direct=None if answer.direct is None else _direct_message(answer.direct),
         )
 
     def _hit_request(self, request: Any) -> HitRequest:
@@ -440,6 +441,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             traffic_class=request.traffic_class,
             take_lease=request.take_lease,
             layout=_layout(request, self._limits),
+            direct=request.direct and request.take_lease,
         )
 
     async def PutBlocks(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
@@ -754,3 +756,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 default=str,
             ),
         )
+
+
+def _direct_message(grant: DirectGrant) -> Any:
+    """A ``DirectGrant`` as its ``DirectRead`` message (arrays as little-endian bytes)."""
+    return pb.DirectRead(
+        capability=grant.capability,
+        block_keys_packed=np.ascontiguousarray(grant.keys, "<u8").tobytes(),
+        placements=np.ascontiguousarray(grant.placements, "<i4").tobytes(),
+        sizes=np.ascontiguousarray(grant.sizes, "<i8").tobytes(),
+        endpoints=[
+            pb.ReadEndpoint(node_id=node, host=host, port=port)
+            for node, (host, port) in sorted(grant.endpoints.items())
+        ],
+        k=grant.k,
+        m=grant.m,
+    )

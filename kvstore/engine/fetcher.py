@@ -19,7 +19,9 @@ fetcher answers ``("layer", job, i)`` after it has written layer i and set its r
 
 1. reads the SWA state (when the plan found one), then the blocks, in one call each; the blocks
    are read when the first layer that has block KV is due, so the leading state-only layers
-   are published while the block read is still in flight;
+   are published while the block read is still in flight. A job carrying its lease's read
+   grant reads the blocks straight from the storage nodes (``kvstore.engine.directfetch``),
+   and only those the nodes did not give whole through the tier;
 2. marks the state and each block OK or FAILED in the header: a miss, a wrong key or a wrong
    size is FAILED (a failed read is a miss, and its staged bytes are never copied to the pools);
 3. writes layer 0's slices of every block and its window, publishes layer 0, then layer 1, ...
@@ -48,7 +50,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvstore.childenv import child_env
+from kvstore.engine.directfetch import DirectBlocks
 from kvstore.engine.kvlayout import KVLayout
+from kvstore.engine.plan import describe
 from kvstore.engine.staging import (
     OK,
     StageHeader,
@@ -61,6 +65,7 @@ from kvstore.errors import InvalidArgument, SwapInError
 from kvstore.geometry import GeometryConfig
 from kvstore.keys import check_key
 from kvstore.tier.protocols import ReaderFactory, TierReader
+from kvstore.tier.records import DirectGrant
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,8 @@ class FetchJob:
     lease_id: str | None = None
     state_key: bytes | None = None
     state_position: int | None = None
+    #: The lease's read grant for ``keys`` (``PagedLoad.direct``): read from the nodes.
+    direct: DirectGrant | None = None
 
     @property
     def with_state(self) -> bool:
@@ -128,6 +135,9 @@ def fetcher_main(
     except Exception as error:  # noqa: BLE001 - reported to the engine, which fails every load
         events.send(("dead", 0, f"reader factory failed: {type(error).__name__}: {error}"))
         return
+    # One per process: its connections outlive a job; its choice of path is logged by the
+    # engine side (this process has no log of its own).
+    direct = DirectBlocks(on_decided=lambda text: events.send(("path", 0, text)))
     while True:
         try:
             job = jobs.recv()
@@ -137,7 +147,7 @@ def fetcher_main(
             break
         try:
             region = buffer[job.region_offset : job.region_offset + job.region_nbytes]
-            run_job(job, region, reader, gate, lambda *message: events.send(message))
+            run_job(job, region, reader, gate, lambda *message: events.send(message), direct)
         except Exception as error:  # noqa: BLE001 - one bad job must not stop the fetcher
             events.send(("failed", job.job_id, f"{type(error).__name__}: {error}"))
 
@@ -148,8 +158,10 @@ def run_job(
     reader: TierReader,
     gate: LayerGate | None,
     announce: Any,
+    direct: DirectBlocks | None = None,
 ) -> None:
-    """Fetch one job into its region, publishing layer by layer (also usable in-process)."""
+    """Fetch one job into its region, publishing layer by layer (also usable in-process).
+    ``direct``: reads a job that carries a read grant from the storage nodes."""
     kv = job.kv
     layout = StageLayout.plan(kv, len(job.keys), job.with_state)
     header = layout.header(region)
@@ -163,11 +175,12 @@ def run_job(
         header.set_state_status(state is not None)
     payloads: list[np.ndarray | None] | None = None
     good = np.zeros(0, dtype=np.int64)
+    lease_open = False
     for item in kv.layers:
         if gate is not None:
             gate.before_layer(job.job_id, item.layer)
         if payloads is None and (item.block_nbytes or item.layer == kv.num_layers - 1):
-            payloads, block_ok = _read_blocks(reader, job.keys, job.lease_id, kv.block_bytes)
+            payloads, block_ok, lease_open = _load_blocks(reader, job, kv.block_bytes, direct)
             header.set_block_statuses(block_ok)
             good = np.flatnonzero(block_ok)
         if item.block_nbytes and good.size:
@@ -185,6 +198,49 @@ def run_job(
         announce("layer", job.job_id, item.layer)
     header.publish_done()
     announce("done", job.job_id)
+    if lease_open and job.lease_id is not None:
+        _release(reader, job.lease_id)
+
+
+def _load_blocks(
+    reader: TierReader, job: FetchJob, nbytes: int, direct: DirectBlocks | None
+) -> tuple[list[np.ndarray | None], np.ndarray, bool]:
+    """The job's blocks, which were read, and whether its lease is still open (read directly
+    in full: no gateway read ended it, the fetcher gives it back once the load is staged).
+    With a grant, the blocks come from the storage nodes and only those that did not are read
+    through the gateway (a miss there too is a miss)."""
+    grant = job.direct
+    if direct is None or grant is None or len(grant) != len(job.keys) or not job.keys:
+        return (*_read_blocks(reader, job.keys, job.lease_id, nbytes), False)
+    try:
+        found = direct.read(grant, nbytes)
+    except Exception as error:  # noqa: BLE001 - the gateway path still reads every block
+        log.warning("direct read of %d blocks failed: %s", len(job.keys), error)
+        found = None
+    if found is None:
+        return (*_read_blocks(reader, job.keys, job.lease_id, nbytes), False)
+    payloads, block_ok = found
+    missing = np.flatnonzero(~block_ok)
+    if not missing.size:
+        return payloads, block_ok, True
+    keys = [job.keys[i] for i in missing.tolist()]
+    again, again_ok = _read_blocks(reader, keys, job.lease_id, nbytes)  # ends the lease
+    for index, payload in zip(missing.tolist(), again, strict=True):
+        payloads[index] = payload
+    block_ok[missing] = again_ok
+    return payloads, block_ok, False
+
+
+def _release(reader: TierReader, lease_id: str) -> None:
+    """Give back a lease read directly (the gateway read that would have ended it never
+    happened); a reader that cannot end leases leaves it to its end."""
+    release = getattr(reader, "release_lease", None)
+    if release is None:
+        return
+    try:
+        release(lease_id)
+    except Exception as error:  # noqa: BLE001 - the lease ends on its own
+        log.info("releasing lease %s after a direct read failed: %s", lease_id, describe(error))
 
 
 def _read_state(reader: TierReader, key: bytes, position: int, nbytes: int) -> np.ndarray | None:
@@ -375,6 +431,8 @@ class Fetcher:
             raise SwapInError(f"cannot start the fetcher: {error}") from error
         self._lock = threading.Lock()
         self._pending: dict[int, StagedFetch] = {}
+        #: How the fetcher reads blocks, once it decided (its first load with a read grant).
+        self.read_path: str | None = None
         self._next_job = 1
         self._dead: str | None = None
         self._receiver = threading.Thread(
@@ -397,8 +455,10 @@ class Fetcher:
         lease_id: str | None = None,
         state_key: bytes | None = None,
         state_position: int | None = None,
+        direct: DirectGrant | None = None,
     ) -> StagedFetch:
-        """Stage ``keys`` (and the SWA state at ``state_position`` under ``state_key``).
+        """Stage ``keys`` (and the SWA state at ``state_position`` under ``state_key``);
+        ``direct``: the lease's read grant for ``keys``, to read them from the storage nodes.
 
         Raises ``StagingFull`` when the area has no room now, ``SwapInError`` when the fetcher
         process is gone.
@@ -427,6 +487,7 @@ class Fetcher:
             lease_id=lease_id,
             state_key=state_key,
             state_position=state_position,
+            direct=direct,
         )
         with self._lock:
             dead = self._dead
@@ -453,6 +514,10 @@ class Fetcher:
             except (EOFError, OSError):
                 break
             kind, job_id = message[0], message[1]
+            if kind == "path":  # once per fetcher: how its loads read blocks, and why
+                self.read_path = str(message[2])
+                log.warning("kvstore fetcher %s: loads read blocks %s", self.pid, self.read_path)
+                continue
             if kind == "dead":
                 why = str(message[2])
                 break

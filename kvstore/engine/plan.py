@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvstore.tier.records import DirectGrant
+
 
 def describe(error: BaseException) -> str:
     """One line for a failed call (a gRPC error's code and details, not its repr)."""
@@ -42,6 +44,9 @@ class PagedLoad:
     state_key: bytes | None = None
     state_position: int | None = None
     asynchronous: bool = False
+    #: The lease's read grant for ``keys`` (same order): the fetcher reads them straight from
+    #: the storage nodes (None: through the tier's ``get_blocks``).
+    direct: DirectGrant | None = None
 
 
 @dataclass(frozen=True)

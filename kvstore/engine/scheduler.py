@@ -151,6 +151,9 @@ class PagedScheduler:
                         mode=self.mode,
                         traffic_class=self.traffic_class,
                         take_lease=True,
+                        # The lease's read grant, where the tier gives one: the fetcher reads
+                        # the blocks from the storage nodes instead of through the gateway.
+                        direct=True,
                     )
                 )
             except Exception as error:  # noqa: BLE001 - a tier that does not answer is a miss
@@ -260,6 +263,7 @@ class PagedScheduler:
             state_key=state_key,
             state_position=state_position,
             asynchronous=bool(self._sliding),
+            direct=None if answer.direct is None else answer.direct.part(first, last),
         )
         tracked.loading = load
         tracked.saved_blocks = last  # what was loaded is in the tier already

@@ -160,6 +160,7 @@ class PagedWorker:
                     lease_id=load.lease_id,
                     state_key=load.state_key,
                     state_position=load.state_position,
+                    direct=load.direct,
                 )
             except KVStoreError as error:  # no room, no fetcher: recompute, nothing written
                 log.warning("load of %s not started: %s", load.request_id, error)

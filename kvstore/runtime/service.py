@@ -88,6 +88,7 @@ class Service:
             local_machine=local_machine,
             block_bytes=config.block_bytes,
             machine_addresses=_machines_by_address(machines),
+            grants_reads=True,  # the gateway's tier: engines read their leases directly
         )
         return cls(config, blocks, swa, gc, tier)
 

@@ -9,6 +9,7 @@ the same tier from its own process.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from kvstore.runtime.swa_actors import SWARayTransport
 from kvstore.swa.client import SWAClient
 from kvstore.swa.transport import SWALayout
 from kvstore.tier.cluster import ClusterTier
+from kvstore.tier.revoke import Revoker
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +67,20 @@ def cluster_tier(
     foreign_leases: bool = False,
     block_bytes: int | None = None,
     machine_addresses: dict[str, str] | None = None,
+    grants_reads: bool = False,
 ) -> ClusterTier:
     """The tier facade over a deployment (this process connected to its Ray cluster);
     ``foreign_leases``: see ``ClusterTier``; ``block_bytes``: the payload size it accepts
-    (default: the preset's)."""
+    (default: the preset's). ``grants_reads``: this tier holds the cluster read key and
+    answers a lease asked for ``direct``ly with its read capability (the gateway's tier only:
+    an engine's own tier, ``ClusterReaderFactory``, must never hold the key)."""
+    direct: dict[str, Any] = {}
+    if grants_reads:
+        direct = {
+            "read_key": blocks.read_key(),
+            "read_endpoints": ReadEndpoints(blocks),
+            "revoker": Revoker(blocks.revoke),
+        }
     swa_client = None
     if swa is not None:
         swa_client = SWAClient(swa, SWARayTransport(swa), local_machine=local_machine)
@@ -81,7 +93,39 @@ def cluster_tier(
         control=RayTierControl(blocks.metas, blocks.repair),
         foreign_leases=foreign_leases,
         machine_addresses=machine_addresses,
+        **direct,
     )
+
+
+class ReadEndpoints:
+    """The storage nodes' engine read sockets, as the tier hands them to engines: asked of the
+    nodes once, then again every ``refresh_s`` from a daemon thread (a restarted node listens
+    on a new port; a QueryHit must not wait for twelve Ray calls). Callable: the current map."""
+
+    def __init__(self, blocks: BlockStoreHandles, refresh_s: float = 2.0) -> None:
+        self._blocks = blocks
+        self._refresh_s = refresh_s
+        self._current: dict[int, tuple[str, int]] = blocks.read_endpoints(timeout=_STATS_TIMEOUT_S)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="read-endpoints", daemon=True)
+        self._thread.start()
+
+    def __call__(self) -> dict[int, tuple[str, int]]:
+        return self._current
+
+    def close(self) -> None:
+        self._stopped.set()
+
+    def _loop(self) -> None:
+        while not self._stopped.wait(self._refresh_s):
+            try:
+                found = self._blocks.read_endpoints(timeout=_STATS_TIMEOUT_S)
+            except Exception:  # a control loop survives a failing step
+                log.warning("refreshing the nodes' read endpoints failed", exc_info=True)
+                continue
+            if found != self._current:
+                log.info("storage nodes' read endpoints now %s", found)
+            self._current = found
 
 
 @dataclass(frozen=True)

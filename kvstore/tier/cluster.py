@@ -20,11 +20,12 @@ the unit tests wire it to in-process objects.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -45,6 +46,7 @@ from kvstore.tier.hit import HitGeometry, HitQuery, HitResult, NoStates
 from kvstore.tier.leases import MAX_OPEN_LEASES, LeaseTable
 from kvstore.tier.records import (
     BlockRead,
+    DirectGrant,
     HitAnswer,
     HitRequest,
     LeaseTag,
@@ -52,6 +54,7 @@ from kvstore.tier.records import (
     StateRead,
     Stats,
 )
+from kvstore.tier.revoke import Revoker
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,8 @@ class ClusterTier:
         foreign_leases: bool = False,
         machine_addresses: Mapping[str, str] | None = None,
         read_key: bytes | None = None,
+        read_endpoints: Callable[[], Mapping[int, tuple[str, int]]] | None = None,
+        revoker: Revoker | None = None,
     ) -> None:
         """``foreign_leases``: this tier reads for another process that took the leases (an
         engine's fetcher process; its scheduler-side tier holds the leases and releases them
@@ -133,9 +138,16 @@ class ClusterTier:
         machine id of the machines with an SWA store (``machine_at``). ``read_key``: the
         cluster read key (``kvstore.blockstore.capability``), for minting the read capability
         of a lease (``read_capability``); None: this tier mints none (an engine's own tier
-        never holds the key)."""
+        never holds the key). ``read_endpoints``: the nodes' engine read sockets as they are now
+        (a restarted node listens on another port), and ``revoker``: where a released lease's
+        capability is revoked on the nodes; with both and the key, a lease asked for
+        ``direct``ly is answered with its ``DirectGrant``."""
         self._machine_addresses = dict(machine_addresses or {})
         self._read_key = read_key
+        self._read_endpoints = read_endpoints
+        self._revoker = revoker
+        # Leases whose capability was handed out: only their release is worth a revocation.
+        self._granted: set[str] = set()
         self.model_fingerprint = geometry.fingerprint()
         self.state_size = state_size
         self.block_bytes = block_bytes
@@ -201,6 +213,19 @@ class ClusterTier:
         # a release costs no cluster call of its own under load.
         if lease is not None:
             self._blocks.release_many([lease], wait=False)
+            self._revoke(lease)
+
+    def _revoke(self, lease: Lease) -> None:
+        """The nodes stop honouring ``lease``'s capability, if one was handed out (a lease past
+        its end needs nothing: every node refuses it already)."""
+        if self._revoker is None or not self._granted:
+            return
+        with self._lock:
+            if lease.lease_id not in self._granted:
+                return
+            self._granted.discard(lease.lease_id)
+        if lease.until > self._clock.now():
+            self._revoker.revoke(lease.lease_id, float(lease.until))
 
     def _keep_lease(self, lease: Lease, holder: LeaseTag) -> str:
         try:
@@ -237,6 +262,11 @@ class ClusterTier:
     def close(self) -> None:
         """Stop the lease sweeper and send every release still deferred."""
         self._closed.set()
+        if self._revoker is not None:
+            self._revoker.close()
+        stop = getattr(self._read_endpoints, "close", None)  # a refreshing map's thread
+        if callable(stop):
+            stop()
         try:
             self._blocks.flush_releases()
         except StoreError:
@@ -265,7 +295,50 @@ class ClusterTier:
                 self._release(lease)
         if request.counted:
             self.hit_counters.count(request.holder.tenant, name, result.plan, result.keys.shape[0])
-        return result.answer(lease_id)
+        answer = result.answer(lease_id)
+        if lease_id is not None and request.direct:
+            grant = self._direct_grant(lease_id, result.hit_words)
+            if grant is not None:
+                answer = dataclasses.replace(answer, direct=grant)
+        return answer
+
+    def _direct_grant(self, lease_id: str, hit_words: np.ndarray) -> DirectGrant | None:
+        """The ``DirectGrant`` of the lease just kept for the hit blocks ``hit_words``; None when
+        this tier cannot grant one (no key, no endpoints, no revoker: a capability nobody could
+        revoke must not be handed out), the lease is already gone, or the grant would not fit
+        (the engine then reads through ``get_blocks``)."""
+        if self._read_key is None or self._read_endpoints is None or self._revoker is None:
+            return None
+        lease = self._leases.peek(lease_id)
+        n = int(hit_words.shape[0])
+        if lease is None or n == 0 or n > len(lease):
+            return None
+        # The lease holds the run from the prompt's start, so the hit blocks are its first rows.
+        if not np.array_equal(lease.key_words[:n], hit_words):
+            log.warning("lease %s does not start with its hit blocks: no direct grant", lease_id)
+            return None
+        try:
+            endpoints = self._read_endpoints()
+            with self._lock:
+                self._granted.add(lease_id)  # before it is handed out: its release revokes it
+            capability = self.read_capability(lease_id)
+        except (InvalidArgument, StoreError) as error:
+            log.info("lease %s: no direct grant: %s", lease_id, error)
+            capability = None
+        if capability is None or not endpoints:
+            return None
+        if self._leases.peek(lease_id) is None:  # released meanwhile: its revocation may be out
+            return None
+        config = self._blocks.config
+        return DirectGrant(
+            capability=capability.encode(),
+            keys=np.ascontiguousarray(lease.key_words[:n]),
+            placements=np.ascontiguousarray(lease.placements[:n], dtype=np.int32),
+            sizes=np.ascontiguousarray(lease.sizes[:n], dtype=np.int64),
+            endpoints=dict(endpoints),
+            k=config.data_shards,
+            m=config.parity_shards,
+        )
 
     def read_capability(self, lease_id: str) -> ReadCapability | None:
         """The read capability of a lease this tier holds: its tenant may read every shard of

@@ -121,6 +121,10 @@ class HitRequest:
     #: Whether the tier counts this lookup in its hit figures; False for the parts of a larger
     #: lookup (a tenant's shared and own namespaces), which the caller counts once.
     counted: bool = True
+    #: Ask for the lease's read capability (``DirectGrant``) with the answer: the caller reads
+    #: the blocks straight from the storage nodes. Opt-in: a grant of a long prompt weighs
+    #: hundreds of KB that a caller reading through ``get_blocks`` would carry for nothing.
+    direct: bool = False
 
     def __post_init__(self) -> None:
         if (self.token_ids is None) == (self.block_keys is None):
@@ -201,6 +205,63 @@ def _check_class(name: object) -> None:
         raise InvalidArgument("traffic_class", "must be printable text")
 
 
+@dataclass(frozen=True, eq=False)
+class DirectGrant:
+    """What lets an engine read a lease's hit blocks straight from the storage nodes
+    (``kvstore.blockstore.direct``): the lease's read capability (``ReadCapability.encode()``;
+    the cluster read key stays in the cluster), and per hit block, in the order of the answer's
+    hit keys, its key as the tier stores it (a tenant's keys are renamed into its namespace:
+    the engine knows only its own), its shards' nodes and its size; the nodes' engine read
+    sockets and the stripe geometry."""
+
+    capability: bytes
+    #: (n, 4) uint64 words: the stored keys of the hit blocks (``kvstore.keys``).
+    keys: np.ndarray
+    #: (n, k + m) int32: node id per shard index; -1: lost.
+    placements: np.ndarray
+    #: (n,) int64: each block's payload size.
+    sizes: np.ndarray
+    #: node id -> (host, port) of its engine read socket.
+    endpoints: Mapping[int, tuple[str, int]]
+    k: int
+    m: int
+
+    def __post_init__(self) -> None:
+        n = int(self.keys.shape[0])
+        if (
+            self.keys.shape != (n, 4)
+            or self.placements.shape != (n, self.k + self.m)
+            or self.sizes.shape != (n,)
+        ):
+            raise InvalidArgument(
+                "direct",
+                f"keys {self.keys.shape}, placements {self.placements.shape} and sizes "
+                f"{self.sizes.shape} do not describe the same {n} blocks of {self.k}+{self.m}",
+            )
+
+    def __len__(self) -> int:
+        return int(self.keys.shape[0])
+
+    def part(self, first: int, last: int) -> DirectGrant:
+        """The grant of blocks ``first`` to ``last`` (exclusive) only (the same capability:
+        a load of part of a hit reads with the whole lease's)."""
+        return dataclasses.replace(
+            self,
+            keys=self.keys[first:last],
+            placements=self.placements[first:last],
+            sizes=self.sizes[first:last],
+        )
+
+    def blocks(self) -> list[tuple[BlockKey, tuple[int, ...], int]]:
+        """(stored key, placement, size) per block, as ``BlockLocation`` takes them."""
+        return [
+            (key, tuple(row), size)
+            for key, row, size in zip(
+                words_to_keys(self.keys), self.placements.tolist(), self.sizes.tolist(), strict=True
+            )
+        ]
+
+
 @dataclass(frozen=True)
 class HitAnswer:
     """A hit plan over both tiers, with where the SWA state is and what to do about it."""
@@ -216,6 +277,9 @@ class HitAnswer:
     #: or their (n, 4) uint64 words (``kvstore.keys``), which a gateway passes on packed without
     #: making an object per key.
     hit_keys: tuple[BlockKey, ...] | np.ndarray = ()
+    #: With a lease asked for ``direct``ly: what reads its hit blocks from the storage nodes
+    #: (None: read through ``get_blocks``; the tier has no read key, or the grant would not fit).
+    direct: DirectGrant | None = None
 
     @property
     def hit_block_keys(self) -> tuple[BlockKey, ...]:

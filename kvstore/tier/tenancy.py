@@ -215,7 +215,14 @@ class TenantView:
             self.tenant.name, asked.traffic_class, answer.plan, asked.words.shape[0]
         )
         hit = len(answer.hit_keys)
-        return dataclasses.replace(answer, hit_keys=asked.words[:hit])
+        # The grant names the stored keys (this tenant's namespace), which the engine reads
+        # by; it passes only with a lease this tenant holds (its capability is that lease's).
+        direct = answer.direct
+        if direct is not None and (
+            answer.lease_id is None or self.lease_tag(answer.lease_id) is None
+        ):
+            direct = None
+        return dataclasses.replace(answer, hit_keys=asked.words[:hit], direct=direct)
 
     def _give_back(self, answer: HitAnswer) -> None:
         if answer.lease_id is not None:

@@ -6,6 +6,7 @@ listens on; the only seam moved by hand is the clock of the retry window.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import numpy as np
@@ -15,9 +16,9 @@ from kvstore.api.client import KVStoreClient
 from kvstore.engine.groups import FULL, SLIDING, CacheGroup, EngineGroups
 from kvstore.engine.scheduler import PagedScheduler
 from kvstore.errors import ConfigError
-from kvstore.keys import BLOCK_TOKENS
+from kvstore.keys import BLOCK_TOKENS, key_words
 from kvstore.tier.files import DirectoryTier
-from kvstore.tier.records import Layout
+from kvstore.tier.records import DirectGrant, HitAnswer, HitRequest, Layout
 
 FINGERPRINT = b"scheduler-test".ljust(32, b"\0")
 PAGE = 8192
@@ -134,3 +135,45 @@ def test_groups_say_what_goes_where_and_refuse_what_cannot_be_served_exactly() -
                 CacheGroup(FULL, (2,)),
             ),
         )
+
+
+class _Granting:
+    """A tier that answers a lease asked for ``direct``ly with a grant naming its hit blocks
+    (the gateway's, in shape; the scheduler only passes it on)."""
+
+    def __init__(self, tier: DirectoryTier) -> None:
+        self._tier = tier
+        self.asked_direct: list[bool] = []
+
+    def query_hit(self, request: HitRequest) -> HitAnswer:
+        self.asked_direct.append(request.direct)
+        answer = self._tier.query_hit(request)
+        n = len(answer.hit_block_keys)
+        grant = DirectGrant(
+            capability=b"cap",
+            keys=key_words(list(answer.hit_block_keys)),
+            placements=np.arange(n * 12, dtype=np.int32).reshape(n, 12),
+            sizes=np.full(n, 64, np.int64),
+            endpoints={0: ("127.0.0.1", 1)},
+            k=10,
+            m=2,
+        )
+        return dataclasses.replace(answer, direct=grant if request.direct else None)
+
+    def release_lease(self, lease_id: str) -> bool:
+        return self._tier.release_lease(lease_id)
+
+
+def test_a_load_carries_its_part_of_the_leases_read_grant(file_tier) -> None:
+    prompt = prompt_of(3 * BLOCK_TOKENS + 1)
+    store_blocks(file_tier, prompt, 3)
+    tier = _Granting(file_tier)
+    s = full_attention(tier)
+    assert s.matched_tokens("r", prompt, BLOCK_TOKENS) == 2 * BLOCK_TOKENS  # it has block 0
+    assert tier.asked_direct == [True]
+    s.allocated("r", [7, 8, 9, 10], 2 * BLOCK_TOKENS)
+    s.step("r", prompt, len(prompt), table=[7, 8, 9, 10])
+    (load,) = s.build().loads
+    assert load.block_ids == (8, 9) and load.direct is not None
+    assert [key for key, _, _ in load.direct.blocks()] == list(load.keys)
+    assert np.array_equal(load.direct.placements, np.arange(12, 36).reshape(2, 12))

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 from tier_parts import GEOMETRY, InProcessTier
 
-from kvstore.blockstore.capability import CapabilityRefused, verify
+from kvstore.blockstore.capability import CapabilityRefused, ReadCapability, verify
 from kvstore.blockstore.fanout import NODE
 from kvstore.errors import InvalidArgument, LeaseError, StateRejected
 from kvstore.keys import block_keys
+from kvstore.tenants import Tenant, salts
 from kvstore.tier.files import DirectoryTier
 from kvstore.tier.records import HitRequest, LeaseTag
+from kvstore.tier.revoke import Revoker
+from kvstore.tier.tenancy import TenantView
 
 BLOCK = GEOMETRY.block_tokens
 STATE = GEOMETRY.state_size_to_disk
@@ -327,3 +331,97 @@ def test_a_tier_without_the_read_key_mints_nothing(parts: InProcessTier) -> None
     answer = parts.tier.query_hit(HitRequest(token_ids=tokens, traffic_class="chatbot"))
     assert answer.lease_id is not None
     assert parts.tier.read_capability(answer.lease_id) is None
+
+
+class _Sent:
+    """A ``Revoker``'s ``send``: records each batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[list[str], float]] = []
+
+    def __call__(self, ids: Sequence[str], until: float) -> None:
+        self.batches.append((list(ids), until))
+
+    @property
+    def ids(self) -> list[str]:
+        return [i for ids, _ in self.batches for i in ids]
+
+
+def _granting(tmp_path, **overrides) -> tuple[InProcessTier, _Sent, Revoker]:  # type: ignore[no-untyped-def]
+    sent = _Sent()
+    revoker = Revoker(sent)
+    endpoints = {node: ("127.0.0.1", 40000 + node) for node in range(12)}
+    parts = InProcessTier(
+        tmp_path,
+        release_batch_s=0,
+        read_key=os.urandom(32),
+        read_endpoints=lambda: endpoints,
+        revoker=revoker,
+        **overrides,
+    )
+    return parts, sent, revoker
+
+
+def test_a_direct_lease_comes_with_its_grant_and_its_release_revokes_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    parts, sent, revoker = _granting(tmp_path)
+    tier = parts.tier
+    tokens, keys = prompt(4)
+    tier.put_blocks(keys, [payload(k) for k in keys])
+    plain = tier.query_hit(HitRequest(token_ids=tokens))
+    assert plain.lease_id and plain.direct is None  # not asked: not granted
+    answer = tier.query_hit(HitRequest(token_ids=tokens, direct=True))
+    grant = answer.direct
+    assert answer.lease_id and grant is not None
+    lease = tier._leases.peek(answer.lease_id)
+    assert lease is not None
+    hits = len(answer.hit_block_keys)
+    assert len(grant) == hits and (grant.k, grant.m) == (10, 2) and len(grant.endpoints) == 12
+    assert [key for key, _, _ in grant.blocks()] == list(answer.hit_block_keys)
+    assert np.array_equal(grant.placements, lease.placements[:hits])
+    capability = ReadCapability.decode(grant.capability)
+    assert capability.lease_id == answer.lease_id
+    assert tier.release_lease(plain.lease_id)
+    assert tier.release_lease(answer.lease_id)
+    assert revoker.flush()
+    assert sent.ids == [answer.lease_id]  # only the granted lease is worth a revocation
+    assert sent.batches[0][1] == lease.until
+
+    # A read that ends the lease revokes it too; a lease swept past its end needs nothing.
+    read = tier.query_hit(HitRequest(token_ids=tokens, direct=True))
+    tier.get_blocks(list(read.hit_block_keys), read.lease_id)
+    expired = tier.query_hit(HitRequest(token_ids=tokens, direct=True))
+    assert expired.direct is not None
+    parts.clock.advance(tier.lease_seconds + 1)  # type: ignore[attr-defined]
+    assert tier.sweep_leases() == 1
+    assert revoker.flush()
+    assert sent.ids == [answer.lease_id, read.lease_id]
+    tier.close()
+
+
+def test_a_tier_that_cannot_revoke_grants_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    parts = InProcessTier(
+        tmp_path, release_batch_s=0, read_key=os.urandom(32), read_endpoints=lambda: {0: ("h", 1)}
+    )
+    tokens, keys = prompt(2)
+    parts.tier.put_blocks(keys, [payload(k) for k in keys])
+    answer = parts.tier.query_hit(HitRequest(token_ids=tokens, direct=True))
+    assert answer.lease_id and answer.direct is None
+
+
+def test_a_tenant_view_passes_the_grant_of_its_own_lease_with_its_stored_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    parts, _, _ = _granting(tmp_path)
+    own, shared = salts(b"s" * 32, "alice")
+    view = TenantView(parts.tier, Tenant(name="alice", salt=own, shared_salt=shared))
+    tokens, keys = prompt(3)
+    size = GEOMETRY.block_bytes
+    view.put_blocks(keys, [payload(k, size) for k in keys])
+    answer = view.query_hit(HitRequest(token_ids=tokens, direct=True))
+    assert answer.direct is not None and answer.lease_id
+    assert view.lease_tag(answer.lease_id) is not None
+    stored = [key for key, _, _ in answer.direct.blocks()]
+    hits = list(answer.hit_block_keys)
+    assert len(stored) == len(hits) and not set(stored) & set(hits)  # renamed: its namespace
+    read = view.get_blocks(hits, answer.lease_id, keep_lease=True)
+    assert [r.payload for r in read] == [payload(k, size) for k in keys[: len(hits)]]
+    capability = ReadCapability.decode(answer.direct.capability)
+    assert capability.tenant == "alice"

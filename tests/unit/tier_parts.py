@@ -40,6 +40,8 @@ class InProcessTier:
         local_machine: str | None = "m0",
         max_open_leases: int = 1000,
         read_key: bytes | None = None,
+        read_endpoints: Any = None,
+        revoker: Any = None,
         **block_overrides: object,
     ) -> None:
         self.blocks = BlockTier(root, **block_overrides)
@@ -62,4 +64,6 @@ class InProcessTier:
             max_open_leases=max_open_leases,
             clock=self.clock,
             read_key=read_key,
+            read_endpoints=read_endpoints,
+            revoker=revoker,
         )

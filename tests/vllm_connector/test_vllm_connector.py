@@ -64,6 +64,10 @@ def test_a_fresh_engine_takes_the_prefix_from_kvstore_and_computes_the_same(
     )
     assert hits(b) == EXPECTED
     assert_same_outputs(b, baseline, "engine B")
+    # The engine is on the nodes' machine: its fetcher reads the blocks straight from them
+    # (the lease's read grant), and says so once.
+    said = [line for line in b["stderr"].splitlines() if "loads read blocks" in line]
+    assert len(said) == 1 and "direct from the storage nodes" in said[0], said
 
 
 def test_a_misspelt_setting_stops_the_engine_at_start_and_names_the_key(

@@ -40,7 +40,7 @@ class Layout(_message.Message):
     def __init__(self, fingerprint: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
 
 class QueryHitRequest(_message.Message):
-    __slots__ = ("token_ids", "block_keys", "prompt_len", "mode", "traffic_class", "take_lease", "block_keys_packed", "layout")
+    __slots__ = ("token_ids", "block_keys", "prompt_len", "mode", "traffic_class", "take_lease", "block_keys_packed", "layout", "direct")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class QueryHitRequest(_message.Message):
     TAKE_LEASE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     prompt_len: int
@@ -57,7 +58,8 @@ class QueryHitRequest(_message.Message):
     take_lease: bool
     block_keys_packed: bytes
     layout: Layout
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_len: _Optional[int] = ..., mode: _Optional[_Union[HitMode, str]] = ..., traffic_class: _Optional[str] = ..., take_lease: _Optional[bool] = ..., block_keys_packed: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
+    direct: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_len: _Optional[int] = ..., mode: _Optional[_Union[HitMode, str]] = ..., traffic_class: _Optional[str] = ..., take_lease: _Optional[bool] = ..., block_keys_packed: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., direct: _Optional[bool] = ...) -> None: ...
 
 class HitPlan(_message.Message):
     __slots__ = ("prompt_len", "cap", "block_hit_tokens", "hit_tokens", "swa_hit", "swa_position", "swa_owner", "replay_start", "replay_tokens", "compute_from", "store_at")
@@ -86,7 +88,7 @@ class HitPlan(_message.Message):
     def __init__(self, prompt_len: _Optional[int] = ..., cap: _Optional[int] = ..., block_hit_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., swa_hit: _Optional[bool] = ..., swa_position: _Optional[int] = ..., swa_owner: _Optional[str] = ..., replay_start: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., compute_from: _Optional[int] = ..., store_at: _Optional[int] = ...) -> None: ...
 
 class QueryHitResponse(_message.Message):
-    __slots__ = ("plan", "advice", "fetch_seconds", "replay_seconds", "lease_id", "hit_block_keys", "hit_block_keys_packed")
+    __slots__ = ("plan", "advice", "fetch_seconds", "replay_seconds", "lease_id", "hit_block_keys", "hit_block_keys_packed", "direct")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     ADVICE_FIELD_NUMBER: _ClassVar[int]
     FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,7 @@ class QueryHitResponse(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCK_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     plan: HitPlan
     advice: Advice
     fetch_seconds: float
@@ -101,7 +104,36 @@ class QueryHitResponse(_message.Message):
     lease_id: str
     hit_block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     hit_block_keys_packed: bytes
-    def __init__(self, plan: _Optional[_Union[HitPlan, _Mapping]] = ..., advice: _Optional[_Union[Advice, str]] = ..., fetch_seconds: _Optional[float] = ..., replay_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ..., hit_block_keys: _Optional[_Iterable[bytes]] = ..., hit_block_keys_packed: _Optional[bytes] = ...) -> None: ...
+    direct: DirectRead
+    def __init__(self, plan: _Optional[_Union[HitPlan, _Mapping]] = ..., advice: _Optional[_Union[Advice, str]] = ..., fetch_seconds: _Optional[float] = ..., replay_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ..., hit_block_keys: _Optional[_Iterable[bytes]] = ..., hit_block_keys_packed: _Optional[bytes] = ..., direct: _Optional[_Union[DirectRead, _Mapping]] = ...) -> None: ...
+
+class ReadEndpoint(_message.Message):
+    __slots__ = ("node_id", "host", "port")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    node_id: int
+    host: str
+    port: int
+    def __init__(self, node_id: _Optional[int] = ..., host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class DirectRead(_message.Message):
+    __slots__ = ("capability", "block_keys_packed", "placements", "sizes", "endpoints", "k", "m")
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    M_FIELD_NUMBER: _ClassVar[int]
+    capability: bytes
+    block_keys_packed: bytes
+    placements: bytes
+    sizes: bytes
+    endpoints: _containers.RepeatedCompositeFieldContainer[ReadEndpoint]
+    k: int
+    m: int
+    def __init__(self, capability: _Optional[bytes] = ..., block_keys_packed: _Optional[bytes] = ..., placements: _Optional[bytes] = ..., sizes: _Optional[bytes] = ..., endpoints: _Optional[_Iterable[_Union[ReadEndpoint, _Mapping]]] = ..., k: _Optional[int] = ..., m: _Optional[int] = ...) -> None: ...
 
 class Block(_message.Message):
     __slots__ = ("key", "payload")

@@ -1,0 +1,156 @@
+"""The engine's fetcher process reading a load straight from the storage nodes: a real gateway
+and deployment on the session Ray cluster, a real fetcher process with a gRPC reader, a real
+staging area. A load carrying its lease's read grant stages exactly the stored bytes without a
+GetBlocks; a block the nodes cannot serve is read through the gateway; a fetcher that reaches
+no node reads everything through the gateway, and says so once."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvstore.api.client import ClientFactory, KVStoreClient
+from kvstore.api.server import ServerOptions
+from kvstore.engine.fetcher import Fetcher
+from kvstore.engine.kvlayout import KVLayout
+from kvstore.engine.staging import StagingArea
+from kvstore.keys import BLOCK_TOKENS, block_keys
+from kvstore.runtime.service import RunningService, embedded_service
+from kvstore.tier.records import DirectGrant, HitAnswer, HitRequest, Layout
+
+TOKEN = "direct-fetch-token-0123456789"
+LAYERS = (16 * 1024, 16 * 1024, 8 * 1024, 24 * 1024)
+LAYOUT = Layout(b"direct-fetch-model", sum(LAYERS))
+
+
+@pytest.fixture(scope="module")
+def running(ray_cluster, tmp_path_factory) -> Iterator[RunningService]:  # type: ignore[no-untyped-def]
+    with embedded_service(
+        tmp_path_factory.mktemp("direct-fetch"),
+        cluster=ray_cluster,
+        deployment="direct-fetch-test",
+        fsync="never",
+        run_gc=False,
+        options=ServerOptions(token=TOKEN, max_message_bytes=8 * 1024 * 1024),
+    ) as service:
+        yield service
+
+
+@pytest.fixture()
+def factory(running: RunningService) -> ClientFactory:
+    return ClientFactory(running.address, token=TOKEN, layout=LAYOUT)
+
+
+@pytest.fixture()
+def area() -> Iterator[StagingArea]:
+    with StagingArea(16 << 20) as staging:
+        yield staging
+
+
+def _hit(factory: ClientFactory, seed: int, blocks: int) -> tuple[HitAnswer, list[bytes]]:
+    """``blocks`` stored blocks and a lease on them asked for directly: (answer, payloads)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 100_000, blocks * BLOCK_TOKENS + 50)
+    keys = block_keys(LAYOUT.fingerprint, tokens)
+    payloads = [rng.bytes(LAYOUT.block_bytes) for _ in keys]
+    with factory() as client:
+        assert client.put_blocks(keys, payloads).committed == len(keys)
+        answer = client.query_hit(
+            HitRequest(block_keys=keys, prompt_len=len(tokens), mode="full-attention", direct=True)
+        )
+    assert answer.direct is not None and len(answer.direct) == blocks
+    return answer, payloads
+
+
+def _staged(fetcher: Fetcher, answer: HitAnswer, grant: DirectGrant | None) -> list[bytes | None]:
+    """Each block as staged (rebuilt from the layer-major region), None where it failed."""
+    staged = fetcher.submit(list(answer.hit_block_keys), lease_id=answer.lease_id, direct=grant)
+    assert staged.wait_finished(60) and staged.failure is None
+    region, ok = staged.region(), staged.block_ok()
+    out: list[bytes | None] = []
+    for b in range(len(answer.hit_block_keys)):
+        if not ok[b]:
+            out.append(None)
+            continue
+        parts = [staged.layout.blocks_view(region, layer)[b].tobytes() for layer in range(4)]
+        out.append(b"".join(parts))
+    staged.release()
+    return out
+
+
+def _engine_reads(running: RunningService) -> int:
+    import ray
+
+    nodes = running.service.blocks.nodes.values()
+    stats = ray.get([node.stats.remote() for node in nodes], timeout=30)
+    return sum(int(s["engine_reads"].get("served", 0)) for s in stats)
+
+
+def _lease_open(running: RunningService, lease_id: str) -> bool:
+    return running.tier.lease_tag(lease_id) is not None
+
+
+def test_a_load_with_a_grant_stages_the_stored_bytes_from_the_nodes(
+    running: RunningService, factory: ClientFactory, area: StagingArea
+) -> None:
+    answer, payloads = _hit(factory, 1, 6)
+    assert answer.lease_id
+    served = _engine_reads(running)
+    with Fetcher(factory, area, KVLayout.blocks_only(list(LAYERS))) as fetcher:
+        assert _staged(fetcher, answer, answer.direct) == payloads
+        assert fetcher.read_path is not None and fetcher.read_path.startswith("direct")
+    assert _engine_reads(running) >= served + 6 * 10  # every data shard came from a node
+    deadline = time.monotonic() + 10
+    while _lease_open(running, answer.lease_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _lease_open(running, answer.lease_id)  # given back once staged
+
+
+def test_a_block_the_nodes_cannot_serve_comes_through_the_gateway(
+    running: RunningService, factory: ClientFactory, area: StagingArea
+) -> None:
+    answer, payloads = _hit(factory, 2, 5)
+    grant = answer.direct
+    assert grant is not None
+    placements = grant.placements.copy()
+    placements[2] = -1  # no node to ask for block 2: a miss on the direct path
+    broken = dataclasses.replace(grant, placements=placements)
+    with Fetcher(factory, area, KVLayout.blocks_only(list(LAYERS))) as fetcher:
+        assert _staged(fetcher, answer, broken) == payloads
+
+
+def test_a_fetcher_that_reaches_no_node_reads_through_the_gateway(
+    running: RunningService, factory: ClientFactory, area: StagingArea
+) -> None:
+    answer, payloads = _hit(factory, 3, 4)
+    grant = answer.direct
+    assert grant is not None
+    closed = {node: ("127.0.0.1", 1) for node in grant.endpoints}  # nothing listens there
+    nowhere = dataclasses.replace(grant, endpoints=closed)
+    served = _engine_reads(running)
+    with Fetcher(factory, area, KVLayout.blocks_only(list(LAYERS))) as fetcher:
+        assert _staged(fetcher, answer, nowhere) == payloads
+        assert fetcher.read_path is not None and "through the gateway" in fetcher.read_path
+        again, more = _hit(factory, 4, 3)
+        assert _staged(fetcher, again, again.direct) == more  # the choice holds
+    assert _engine_reads(running) == served
+
+
+def test_a_load_without_a_grant_reads_through_the_gateway(
+    running: RunningService, factory: ClientFactory, area: StagingArea
+) -> None:
+    answer, payloads = _hit(factory, 5, 3)
+    with Fetcher(factory, area, KVLayout.blocks_only(list(LAYERS))) as fetcher:
+        assert _staged(fetcher, answer, None) == payloads
+        assert fetcher.read_path is None
+
+
+def test_the_client_reads_its_own_grant(running: RunningService) -> None:
+    with KVStoreClient(running.address, token=TOKEN) as client:
+        keys = block_keys(running.tier.model_fingerprint, np.arange(BLOCK_TOKENS * 2 + 10))
+        answer = client.query_hit(HitRequest(block_keys=keys, prompt_len=2 * BLOCK_TOKENS + 10))
+        assert answer.direct is None  # not asked for
