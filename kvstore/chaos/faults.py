@@ -142,7 +142,7 @@ class _DelayedReads:
         self._node = node
         self._actor = actor
 
-    def get(self, keys: Sequence[bytes]) -> Any:
+    def _sick_disk(self) -> None:
         delay = getattr(self._actor, "_delay_s", 0.0)  # a call may come before __init__ ends
         if delay > 0:
             # The socket thread calls this holding the node's lock; the delay is a sick disk
@@ -152,17 +152,14 @@ class _DelayedReads:
                 time.sleep(delay)
             finally:
                 self._actor._lock.acquire()
+
+    def get(self, keys: Sequence[bytes]) -> Any:
+        self._sick_disk()
         return self._node.get(keys)
 
     def shard_extents(self, keys: Sequence[bytes]) -> Any:
         """The engine read socket's way to the shards: as slow as ``get``."""
-        delay = getattr(self._actor, "_delay_s", 0.0)
-        if delay > 0:
-            self._actor._lock.release()
-            try:
-                time.sleep(delay)
-            finally:
-                self._actor._lock.acquire()
+        self._sick_disk()
         return self._node.shard_extents(keys)
 
     def __getattr__(self, name: str) -> Any:
