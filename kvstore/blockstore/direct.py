@@ -5,20 +5,29 @@ The gateway path relays every byte (node → gateway → gRPC → engine, ~7 cop
 engine's fetcher asks each node's engine read socket (``readserver``) for the shards the lease's
 read capability names there (``capability``), and the shard bytes land where the block goes:
 the reply of a node is received with ``recvmsg_into`` straight into the caller's buffer, each
-data shard's fragment at its place in its block, its 64-byte header into a small table beside
-(no ``bytes`` per block or shard). Importable without Ray or any server module.
+data shard's fragment at its place in its block (or cut at the layer boundaries it crosses, for
+a layer-major staging region: ``Spread``), its 64-byte header into a small table beside (no
+``bytes`` per block or shard). Importable without Ray or any server module.
+
+**Order.** Every request goes out at once (a node answers its requests in order, serving the
+next while the reader takes the last). A reader that hands bytes on as they arrive
+(``on_prefix``) asks for the data shards stripe position by position: position 0 of every
+block first, then 1, ...; so each block's first bytes (a layer-major load's first layers) are
+in place and checked while the rest is still on the wire.
 
 **Checks.** The common case needs no decode: with every data shard of a block served at the
-length its size implies, the block is the fragments end to end. It counts only once every one
-of its k headers names this block, its stripe position, this geometry and this size, all carry
-one payload hash, and the block hashes to it (xxh3-64, the tier's one payload hash: as
-``reads.BlockReads._concatenate``, one hash of the block instead of k shard checksums). Anything
-else (a node down or refusing, a shard missing, short, damaged or of another write) sends the
-block to the careful path: every shard of it is read into an array of its own, each checked
-whole (``check_shard``: checksum, key, position, geometry, size), the shards grouped by write,
-and the block decoded from parity through the codec (ISA-L) into its place, then hashed against
-its write's payload hash. A block that cannot be assembled that way is a miss (False): its
-bytes in the buffer are undefined, never handed out as a block.
+length its size implies, the block is the fragments end to end. A shard counts once its header
+names this block, its stripe position, this geometry, this size and the write of the block's
+shard 0 (one payload hash), and its checksum (xxh3-64 over header and fragment, ``ec.shard``)
+holds: each byte is hashed once, as it would be by one hash of the block, and a block's first
+shards are known good before its last ones arrive. Anything else (a node down or refusing, a
+shard missing, short, damaged or of another write) sends the block to the careful path: every
+shard of it is read into an array of its own, each checked whole (``check_shard``: checksum,
+key, position, geometry, size), the shards grouped by write, and the block decoded from parity
+through the codec (ISA-L) into its place, then hashed against its write's payload hash. A block
+that cannot be assembled that way is a miss (False): its bytes in the buffer are undefined,
+never handed out as a block. Once the caller has handed bytes on, a block that fails is a miss
+at once: decoding it into place would rewrite bytes that may be in use.
 
 Failures never escape: a node that cannot be reached, times out or answers what is not a reply
 loses its connection and counts as holding nothing this read. Not thread-safe: one reader per
@@ -34,7 +43,7 @@ import ssl
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +55,7 @@ from kvstore.blockstore.capability import ReadCapability
 from kvstore.blockstore.records import BlockLocation
 from kvstore.ec.codec import Codec
 from kvstore.ec.shard import (
+    CHECKED_FROM,
     FRAGMENT_ALIGN,
     HEADER_BYTES,
     MAGIC,
@@ -63,6 +73,55 @@ _LENGTH_BYTES = 4
 
 #: (host, port) of a node's engine read socket.
 ReadEndpoint = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Where a read's blocks land when not end to end: each block is cut into ``segments``
+    ``(offset in the block, bytes, where row 0's piece goes)``, which tile the block from byte
+    0, and block i's piece of a segment goes ``rows[i]`` pieces further on. A load's staging
+    region is one segment per layer (that layer's slice of every block, block after block:
+    ``kvstore.engine.staging``), so the shards land layer-major with no copy after them."""
+
+    segments: tuple[tuple[int, int, int], ...]
+    rows: tuple[int, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(length for _, length, _ in self.segments)
+
+    def check(self, sizes: np.ndarray, room: int) -> None:
+        """Raise ``ValueError`` unless every block fits the segments and no two pieces of the
+        read overlap or leave ``room`` bytes."""
+        if len(self.rows) != len(sizes):
+            raise ValueError(f"spread: {len(self.rows)} rows for {len(sizes)} blocks")
+        at = 0
+        for offset, length, base in self.segments:
+            if offset != at or length <= 0 or base < 0:
+                raise ValueError("spread: segments must tile the block from byte 0, in order")
+            at += length
+        if (sizes != at).any():
+            raise ValueError(f"spread: every block must be {at} bytes")
+        rows = np.asarray(self.rows, np.int64)
+        if rows.size and (rows.min() < 0 or np.unique(rows).size != rows.size):
+            raise ValueError("spread: rows must be distinct and >= 0")
+        top = int(rows.max(initial=-1)) + 1
+        spans = sorted((base, base + top * length) for _, length, base in self.segments)
+        if spans and spans[-1][1] > room:
+            raise ValueError(f"out: {room} bytes do not hold the blocks where they go")
+        if any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False)):
+            raise ValueError("spread: two segments overlap (one would overwrite the other)")
+
+    def pieces(self, view: memoryview, row: int, begin: int, nbytes: int) -> list[memoryview]:
+        """Where bytes ``begin`` .. ``begin + nbytes`` of the block at ``row`` go, in order."""
+        out = []
+        end = begin + nbytes
+        for offset, length, base in self.segments:
+            lo, hi = max(begin, offset), min(end, offset + length)
+            if lo < hi:
+                at = base + row * length + lo - offset
+                out.append(view[at : at + hi - lo])
+        return out
 
 
 class _ProtocolError(Exception):
@@ -150,7 +209,15 @@ class _Read:
     placements: np.ndarray  # (n, width) int64: node per stripe index, -1: none to ask
     keys: np.ndarray  # (n, 32) uint8
     deadline: float
+    spread: Spread | None = None  # else block i is end to end at ``starts[i]``
     parts: dict[int, bytes] = field(default_factory=dict)  # node -> its capability part
+
+    def pieces(self, block: int, begin: int, nbytes: int) -> list[memoryview]:
+        """Where bytes ``begin`` .. ``begin + nbytes`` of ``block`` go in ``view``."""
+        if self.spread is None:
+            at = int(self.starts[block]) + begin
+            return [self.view[at : at + nbytes]]
+        return self.spread.pieces(self.view, self.spread.rows[block], begin, nbytes)
 
     def part(self, node: int) -> bytes:
         encoded = self.parts.get(node)
@@ -161,6 +228,9 @@ class _Read:
 
 #: (block positions, stripe indices) of the shards asked of one node, in request order.
 _Items = tuple[np.ndarray, np.ndarray]
+
+#: ``on_prefix(nbytes, whole) -> handed on``: see ``DirectReader.read_into``.
+OnPrefix = Callable[[int, np.ndarray], bool]
 
 
 class DirectReader:
@@ -219,27 +289,44 @@ class DirectReader:
         blocks: Sequence[BlockLocation],
         out: Any,
         offsets: Sequence[int] | None = None,
+        spread: Spread | None = None,
+        on_prefix: OnPrefix | None = None,
     ) -> list[bool]:
         """Read ``blocks`` (their keys, shard placements and sizes, as the lease has them)
-        into the writable buffer ``out``, block i at ``offsets[i]`` (default: end to end);
-        True per block whose bytes there are the block's, False for a miss."""
+        into the writable buffer ``out``, block i at ``offsets[i]`` (default: end to end) or
+        cut up as ``spread`` says; True per block whose bytes there are the block's, False
+        for a miss.
+
+        ``on_prefix(nbytes, whole)``, with ``spread`` only: told as the read goes which
+        blocks have their first ``nbytes`` bytes in place and checked (``whole``: a mask over
+        ``blocks``), so a caller can hand those bytes on before the rest arrives. Once it
+        answers True (it did hand some on), a block that is not whole by the end is a miss:
+        its bytes may be in use, so it is never decoded into place from parity."""
         view = memoryview(out).cast("B")
         if view.readonly:
             raise ValueError("out: must be a writable buffer")
         n = len(blocks)
         sizes = np.fromiter((block.size for block in blocks), np.int64, n)
-        if offsets is None:
+        if on_prefix is not None and spread is None:
+            raise ValueError("on_prefix: needs a spread (blocks of one size)")
+        if spread is not None:
+            if offsets is not None:
+                raise ValueError("offsets and spread: give one of them")
+            spread.check(sizes, len(view))
+            starts = np.zeros(n, np.int64)
+        elif offsets is None:
             starts = np.zeros(n, np.int64)
             np.cumsum(sizes[:-1], out=starts[1:])
         else:
             starts = np.asarray(offsets, np.int64)
             if starts.shape != (n,):
                 raise ValueError(f"offsets: {len(offsets)} for {n} blocks")
-        if n and ((starts < 0).any() or int((starts + sizes).max()) > len(view)):
-            raise ValueError(f"out: {len(view)} bytes do not hold the blocks at their offsets")
-        order = np.argsort(starts, kind="stable")
-        if n > 1 and (starts[order][1:] < (starts + sizes)[order][:-1]).any():
-            raise ValueError("offsets: two blocks overlap (one would overwrite the other)")
+        if spread is None:
+            if n and ((starts < 0).any() or int((starts + sizes).max()) > len(view)):
+                raise ValueError(f"out: {len(view)} bytes do not hold the blocks at their offsets")
+            order = np.argsort(starts, kind="stable")
+            if n > 1 and (starts[order][1:] < (starts + sizes)[order][:-1]).any():
+                raise ValueError("offsets: two blocks overlap (one would overwrite the other)")
         keys = b"".join(block.key for block in blocks)
         if len(keys) != 32 * n:
             raise ValueError("blocks: every key must be 32 bytes")
@@ -257,10 +344,11 @@ class DirectReader:
             placements,
             np.frombuffer(keys, np.uint8).reshape(n, 32),
             time.monotonic() + self._timeout,
+            spread,
         )
-        ok = self._fast(read)
+        ok, in_use = self._fast(read, on_prefix)
         careful = np.flatnonzero(~ok)
-        if careful.size:
+        if careful.size and not in_use:
             ok[careful] = self._careful(read, careful.tolist(), blocks)
         self.counters["blocks"] += n
         self.counters["misses"] += int(n - ok.sum())
@@ -268,16 +356,20 @@ class DirectReader:
 
     # --- the common case: data shards into place ------------------------------------------------
 
-    def _fast(self, read: _Read) -> np.ndarray:
-        """Each block whose k data shards land in place and check out (see the module doc)."""
+    def _fast(self, read: _Read, on_prefix: OnPrefix | None) -> tuple[np.ndarray, bool]:
+        """Each block whose k data shards land in place and check out (see the module doc),
+        and whether ``on_prefix`` put blocks' bytes to use before the read ended."""
         k = self.k
         n = len(read.sizes)
-        sizes, starts, view = read.sizes, read.starts, read.view
+        sizes = read.sizes
         per_shard = -(-sizes // k)  # as ``fragment_length``, for every block at once
         fragments = np.maximum(FRAGMENT_ALIGN, -(per_shard // -FRAGMENT_ALIGN) * FRAGMENT_ALIGN)
         heads = np.zeros((n, k, HEADER_BYTES), np.uint8)
         head_view = memoryview(heads).cast("B")  # type: ignore[arg-type]
         scratch = [memoryview(bytearray(int(fragments.max(initial=0))))]
+        zeros = memoryview(bytes(int(fragments.max(initial=0))))  # padding is zeros (``ec.shard``)
+        checked = np.zeros((n, k), bool)
+        in_use = False
 
         def place(
             bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray
@@ -292,10 +384,11 @@ class DirectReader:
             junk = scratch[0]
             pieces: list[memoryview] = []
             add = pieces.append
-            for fit, head, at, taken, pad, length in zip(
+            for fit, b, head, at, taken, pad, length in zip(
                 fits.tolist(),
+                bs.tolist(),
                 ((bs * k + indices) * HEADER_BYTES).tolist(),
-                (starts[bs] + begin).tolist(),
+                begin.tolist(),
                 take.tolist(),
                 (fragment - take).tolist(),
                 lengths.tolist(),
@@ -306,31 +399,64 @@ class DirectReader:
                     continue
                 add(head_view[head : head + HEADER_BYTES])
                 if taken:
-                    add(view[at : at + taken])
+                    pieces += read.pieces(b, at, taken)
                 if pad:  # the last fragment's padding
                     add(junk[:pad])
             return pieces, fits
 
-        have = np.zeros((n, k), bool)
-        for bs, indices in self._exchange(read, _asks(read.placements[:, :k]), place):
-            have[bs, indices] = True
-        good = np.asarray(have.all(axis=1))
-        if not good.any():
-            return good
-        good &= (heads[:, :, 8:12] == np.frombuffer(MAGIC, np.uint8)).all(axis=2).all(axis=1)
-        good &= (heads[:, :, 12] == np.arange(k, dtype=np.uint8)).all(axis=1)
-        good &= (heads[:, :, 13] == VERSION).all(axis=1)
-        good &= (heads[:, :, 14] == k).all(axis=1) & (heads[:, :, 15] == self.m).all(axis=1)
-        claimed = np.ascontiguousarray(heads[:, :, 16:24]).view("<u8")[:, :, 0]
-        good &= (claimed == sizes.astype(np.uint64)[:, None]).all(axis=1)
-        good &= (heads[:, :, 32:64] == read.keys[:, None, :]).all(axis=2).all(axis=1)
-        good &= (heads[:, :, 24:32] == heads[:, :1, 24:32]).all(axis=2).all(axis=1)
-        for b in np.flatnonzero(good).tolist():  # the one check of the bytes: the block's hash
-            start = int(starts[b])
-            placed = view[start : start + int(sizes[b])]
-            good[b] = xxhash.xxh3_64_digest(placed) == heads[b, 0, 24:32].tobytes()
+        def check(bs: np.ndarray, indices: np.ndarray) -> None:
+            """The shards (bs, indices) landed whole: check their headers against the block
+            and the stripe, the write against the block's shard 0, and their checksums."""
+            head = heads[bs, indices]
+            good = (head[:, 8:12] == np.frombuffer(MAGIC, np.uint8)).all(axis=1)
+            good &= (head[:, 12] == indices) & (head[:, 13] == VERSION)
+            good &= (head[:, 14] == k) & (head[:, 15] == self.m)
+            claimed = np.ascontiguousarray(head[:, 16:24]).view("<u8")[:, 0]
+            good &= claimed == sizes[bs].astype(np.uint64)
+            good &= (head[:, 32:64] == read.keys[bs]).all(axis=1)
+            good &= (head[:, 24:32] == heads[bs, 0, 24:32]).all(axis=1)  # one write
+            fragment = fragments[bs]
+            begin = indices * fragment
+            take = np.clip(sizes[bs] - begin, 0, fragment)
+            for row, b, index, at, taken, pad in zip(
+                np.flatnonzero(good).tolist(),
+                bs[good].tolist(),
+                indices[good].tolist(),
+                begin[good].tolist(),
+                take[good].tolist(),
+                (fragment - take)[good].tolist(),
+                strict=True,
+            ):
+                digest = xxhash.xxh3_64(heads[b, index, CHECKED_FROM:].tobytes())
+                for piece in read.pieces(b, at, taken):
+                    digest.update(piece)
+                if pad:
+                    digest.update(zeros[:pad])
+                good[row] = digest.digest() == heads[b, index, :CHECKED_FROM].tobytes()
+            checked[bs[good], indices[good]] = True
+
+        def landed(index: int | None, taken: list[_Items]) -> None:
+            nonlocal in_use
+            for bs, indices in taken:
+                check(bs, indices)
+            if index is None or on_prefix is None:
+                return
+            whole = np.asarray(checked[:, : index + 1].all(axis=1))
+            prefix = min(int(sizes.max(initial=0)), (index + 1) * int(fragments.max(initial=0)))
+            in_use = bool(on_prefix(prefix, whole)) or in_use
+
+        # With ``on_prefix`` the data shards are asked for stripe position by position (all
+        # sent at once, received in order), so that every block's first bytes are in place and
+        # checked before its later ones arrive; else all of them in one round.
+        placements = read.placements[:, :k]
+        if on_prefix is None:
+            rounds = [_asks(placements)]
+        else:
+            rounds = [_asks(np.where(np.arange(k) == i, placements, -1)) for i in range(k)]
+        self._exchange(read, rounds, place, landed if on_prefix else lambda _, t: landed(None, t))
+        good = np.asarray(checked.all(axis=1))
         self.counters["fast_blocks"] += int(good.sum())
-        return good
+        return good, in_use
 
     # --- the careful path: every shard, checked, decoded ----------------------------------------
 
@@ -353,14 +479,24 @@ class DirectReader:
 
         rows = np.array(chosen, np.int64)
         stripes: dict[int, list[np.ndarray | None]] = {b: [None] * width for b in chosen}
-        for bs, indices in self._exchange(read, _asks(read.placements[rows], rows), place):
+        for bs, indices in self._exchange(read, [_asks(read.placements[rows], rows)], place):
             for b, index in zip(bs.tolist(), indices.tolist(), strict=True):
                 stripes[b][index] = landing[b, index]
         out = []
         for b in chosen:
-            start = int(read.starts[b])
-            target = read.view[start : start + int(read.sizes[b])]
-            out.append(self._decode(blocks[b], stripes[b], target))
+            size = int(read.sizes[b])
+            places = read.pieces(b, 0, size)
+            if len(places) == 1:
+                out.append(self._decode(blocks[b], stripes[b], places[0]))
+                continue
+            whole = np.empty(size, np.uint8)  # decoded whole, then cut up as the read says
+            decoded = self._decode(blocks[b], stripes[b], memoryview(whole))  # type: ignore[arg-type]
+            if decoded:
+                at = 0
+                for spot in places:
+                    spot[:] = memoryview(whole)[at : at + len(spot)]  # type: ignore[arg-type]
+                    at += len(spot)
+            out.append(decoded)
         self.counters["decoded_blocks"] += sum(out)
         return out
 
@@ -398,44 +534,84 @@ class DirectReader:
 
     # --- one round of requests to the nodes -----------------------------------------------------
 
-    def _exchange(self, read: _Read, asks: dict[int, _Items], place: Any) -> list[_Items]:
-        """Ask each node of ``asks`` for its shards, at most ``MAX_SHARDS_PER_REQUEST`` a
-        request and one request in flight per connection. The shards a reply serves are
+    def _exchange(
+        self,
+        read: _Read,
+        rounds: list[dict[int, _Items]],
+        place: Any,
+        after_round: Callable[[int, list[_Items]], object] | None = None,
+    ) -> list[_Items]:
+        """Ask each node for its shards of every round, at most ``MAX_SHARDS_PER_REQUEST`` a
+        request, all requests sent at once (the node answers them in order, so it serves the
+        next while this reader takes the last), then take the replies round by round,
+        calling ``after_round(round, what it took)`` after each. The shards a reply serves are
         received into the buffers ``place(blocks, indices, lengths)`` answers for them, with
         which of them it takes; returns the (blocks, indices) taken from replies received
-        whole: a reply cut short counts for nothing, whatever part of it landed."""
+        whole: a reply cut short counts for nothing, whatever part of it landed, and a node
+        that fails is asked nothing more in this exchange."""
         size = proto.MAX_SHARDS_PER_REQUEST
-        chunks = {
-            node: [(bs[i : i + size], ix[i : i + size]) for i in range(0, len(bs), size)]
-            for node, (bs, ix) in asks.items()
-        }
+        queues: dict[int, list[tuple[int, _Items, bytes]]] = {}
+        for number, asks in enumerate(rounds):
+            for node, (bs, ix) in asks.items():
+                for i in range(0, len(bs), size):
+                    items = (bs[i : i + size], ix[i : i + size])
+                    request = _request(
+                        read.part(node), read.keys[items[0]].tobytes(), len(items[0])
+                    )
+                    queues.setdefault(node, []).append((number, items, request))
+        fresh: dict[int, bool] = {}  # node -> nothing received yet on a pooled connection
+        for node, queue in list(queues.items()):
+            reused = self._send(node, b"".join(request for *_, request in queue), read.deadline)
+            if reused is None:
+                del queues[node]
+            else:
+                fresh[node] = reused
         taken: list[_Items] = []
-        while chunks:
-            sent: dict[int, tuple[_Items, bytes, bool]] = {}
-            for node in list(chunks):
-                items = chunks[node].pop(0)
-                if not chunks[node]:
-                    del chunks[node]
-                request = _request(read.part(node), read.keys[items[0]].tobytes(), len(items[0]))
-                reused = self._send(node, request, read.deadline)
-                if reused is None:
-                    chunks.pop(node, None)
-                    continue
-                sent[node] = (items, request, reused)
-            for node, (items, request, reused) in sent.items():
-                try:
-                    taken.append(self._receive(node, items, place, read.deadline))
-                    continue
-                except (OSError, EOFError, _ProtocolError):
-                    self._lost(node)
-                if reused and self._send(node, request, read.deadline, redial=True) is not None:
-                    try:  # the pooled connection had gone stale (the node's idle bound)
-                        taken.append(self._receive(node, items, place, read.deadline))
-                        continue
-                    except (OSError, EOFError, _ProtocolError):
-                        self._lost(node)
-                chunks.pop(node, None)
+        for number in range(len(rounds)):
+            this_round: list[_Items] = []
+            for node in list(queues):
+                queue = queues[node]
+                while queue and queue[0][0] == number:
+                    got = self._take(node, queue, place, read.deadline, fresh)
+                    if got is None:
+                        del queues[node]
+                        break
+                    queue.pop(0)
+                    this_round.append(got)
+            taken += this_round
+            if after_round is not None:
+                after_round(number, this_round)
         return taken
+
+    def _take(
+        self,
+        node: int,
+        queue: list[tuple[int, _Items, bytes]],
+        place: Any,
+        deadline: float,
+        fresh: dict[int, bool],
+    ) -> _Items | None:
+        """The reply to the first request of ``queue``; None: the node failed (its
+        connection is dropped). A pooled connection that fails before its first reply had
+        gone stale (the node's idle bound): it is redialed once and sent the queue again."""
+        items = queue[0][1]
+        try:
+            got = self._receive(node, items, place, deadline)
+        except (OSError, EOFError, _ProtocolError):
+            self._lost(node)
+            if not fresh.get(node):
+                return None
+            fresh[node] = False
+            requests = b"".join(request for *_, request in queue)
+            if self._send(node, requests, deadline, redial=True) is None:
+                return None
+            try:
+                got = self._receive(node, items, place, deadline)
+            except (OSError, EOFError, _ProtocolError):
+                self._lost(node)
+                return None
+        fresh[node] = False
+        return got
 
     def _send(
         self, node: int, request: bytes, deadline: float, redial: bool = False

@@ -2,12 +2,13 @@
 lease's read grant (``kvstore.tier.records.DirectGrant``), instead of relayed by the gateway.
 
 The gateway path moves every byte node → gateway → gRPC → fetcher; here each node's shards
-land in the fetcher's own scratch buffer (``DirectReader.read_into``: received in place, hashed
-once per block, decoded from parity only when a shard is missing or bad). One copy remains,
-the same one the gateway path makes from its gRPC payloads: scratch (block-contiguous) →
-staging (layer-major, ``kvstore.engine.staging.StageLayout``), layer by layer, so that layer 0
-is published before the later layers are copied. A block the reader cannot assemble is a miss
-here, and the fetcher reads it through the gateway (``fetcher._read_blocks``).
+land where the engine will take them from: the load's staging region, layer-major
+(``kvstore.engine.staging.StageLayout``: a block's slice of layer i in layer i's section).
+``DirectReader.read_into`` receives each data shard's fragment in place, cut at the layer
+boundaries it crosses (``Spread``), hashes each block once and decodes from parity only when a
+shard is missing or bad: no scratch buffer, no copy between the socket and staging. A block the
+reader cannot assemble is a miss here, and the fetcher reads it through the gateway
+(``fetcher._read_blocks``) and copies that one into staging.
 
 Whether to read directly is decided once per fetcher process: the first grant's nodes are
 dialed (``DirectReader.reachable``); an engine outside the cluster's network reaches none and
@@ -23,8 +24,9 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from kvstore.blockstore.capability import CapabilityRefused, ReadCapability
-from kvstore.blockstore.direct import DirectReader
+from kvstore.blockstore.direct import DirectReader, Spread
 from kvstore.blockstore.records import BlockLocation
+from kvstore.engine.staging import StageLayout
 from kvstore.fastcall.tls import ClientTLS, tls_from_env
 from kvstore.tier.records import DirectGrant
 
@@ -52,7 +54,6 @@ class DirectBlocks:
         #: None: not decided yet; True: direct; False: the gateway, for good.
         self.enabled: bool | None = None
         self.reason = ""
-        self._scratch = np.zeros(0, np.uint8)
 
     def close(self) -> None:
         if self._reader is not None:
@@ -97,38 +98,50 @@ class DirectBlocks:
                 self._on_decided(f"{path}: {self.reason}")
         return bool(self.enabled)
 
-    def read(
-        self, grant: DirectGrant, nbytes: int
-    ) -> tuple[list[np.ndarray | None], np.ndarray] | None:
-        """Each of ``grant``'s blocks (a view into this reader's scratch, valid until the next
-        ``read``) and which were read whole; None: this process reads through the gateway.
-        A block of another size than ``nbytes`` is a miss, never read."""
+    def read_into(
+        self,
+        grant: DirectGrant,
+        nbytes: int,
+        region: np.ndarray,
+        layout: StageLayout,
+        on_prefix: Callable[[int, np.ndarray, np.ndarray], bool] | None = None,
+    ) -> np.ndarray | None:
+        """Read ``grant``'s blocks straight into their places in the staging ``region``
+        (laid out by ``layout``: block i's slice of each layer in that layer's section, row
+        i); which were read whole (a miss's bytes there are undefined, never marked OK).
+        None: this process reads through the gateway. A block of another size than
+        ``nbytes`` is a miss, never read. ``on_prefix(nbytes, whole, read)``: the read's
+        progress, per block of the grant (``DirectReader.read_into``'s, with ``read`` the
+        blocks asked for)."""
         n = len(grant)
         reader = self._reader_for(grant)
         if not self._decide(reader, grant):
             return None
-        sized = grant.sizes == nbytes
-        if n * nbytes > self._scratch.size:
-            self._scratch = np.empty(n * nbytes, np.uint8)
-        out = self._scratch[: n * nbytes]
-        chosen = np.flatnonzero(sized)
         ok = np.zeros(n, bool)
-        if chosen.size:
-            try:
-                capability = ReadCapability.decode(grant.capability)
-            except CapabilityRefused as error:
-                log.warning("a load's read capability is malformed: %s", error)
-                return [None] * n, ok
-            every = grant.blocks()
-            blocks = [BlockLocation(*every[i]) for i in chosen.tolist()]
-            offsets = (chosen * nbytes).tolist()
-            found = reader.read_into(capability, blocks, out, offsets)
-            ok[chosen] = found
-        payloads: list[np.ndarray | None] = [
-            out[i * nbytes : (i + 1) * nbytes] if good else None
-            for i, good in enumerate(ok.tolist())
-        ]
-        return payloads, ok
+        chosen = np.flatnonzero(grant.sizes == nbytes)
+        if not chosen.size:
+            return ok
+        try:
+            capability = ReadCapability.decode(grant.capability)
+        except CapabilityRefused as error:
+            log.warning("a load's read capability is malformed: %s", error)
+            return ok
+        every = grant.blocks()
+        blocks = [BlockLocation(*every[i]) for i in chosen.tolist()]
+        spread = Spread(layout.block_segments(), tuple(chosen.tolist()))
+        asked = np.zeros(n, bool)
+        asked[chosen] = True
+
+        def progress(prefix: int, whole: np.ndarray) -> bool:
+            assert on_prefix is not None
+            mask = np.zeros(n, bool)
+            mask[chosen] = whole
+            return on_prefix(prefix, mask, asked)
+
+        ok[chosen] = reader.read_into(
+            capability, blocks, region, spread=spread, on_prefix=progress if on_prefix else None
+        )
+        return ok
 
     @property
     def counters(self) -> Mapping[str, int]:

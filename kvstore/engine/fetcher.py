@@ -20,11 +20,13 @@ fetcher answers ``("layer", job, i)`` after it has written layer i and set its r
 1. reads the SWA state (when the plan found one), then the blocks, in one call each; the blocks
    are read when the first layer that has block KV is due, so the leading state-only layers
    are published while the block read is still in flight. A job carrying its lease's read
-   grant reads the blocks straight from the storage nodes (``kvstore.engine.directfetch``),
-   and only those the nodes did not give whole through the tier;
+   grant reads the blocks straight from the storage nodes into their places in the region
+   (``kvstore.engine.directfetch``), and only those the nodes did not give whole through the
+   tier;
 2. marks the state and each block OK or FAILED in the header: a miss, a wrong key or a wrong
    size is FAILED (a failed read is a miss, and its staged bytes are never copied to the pools);
-3. writes layer 0's slices of every block and its window, publishes layer 0, then layer 1, ...
+3. writes layer 0's slices of every block read through the tier and its window, publishes
+   layer 0, then layer 1, ...
 
 The engine side (``Fetcher``) owns the process, a receiver thread that turns those messages into
 per-layer ``threading.Event``s on a ``StagedFetch``, and the region's lifetime: a region goes back
@@ -173,60 +175,127 @@ def run_job(
     if job.state_key is not None and job.state_position is not None:
         state = _read_state(reader, job.state_key, job.state_position, kv.state_bytes)
         header.set_state_status(state is not None)
-    payloads: list[np.ndarray | None] | None = None
-    good = np.zeros(0, dtype=np.int64)
-    lease_open = False
-    for item in kv.layers:
-        if gate is not None:
-            gate.before_layer(job.job_id, item.layer)
-        if payloads is None and (item.block_nbytes or item.layer == kv.num_layers - 1):
-            payloads, block_ok, lease_open = _load_blocks(reader, job, kv.block_bytes, direct)
-            header.set_block_statuses(block_ok)
-            good = np.flatnonzero(block_ok)
-        if item.block_nbytes and good.size:
-            assert payloads is not None
-            target = layout.blocks_view(region, item.layer)
-            start, stop = item.block_offset, item.block_offset + item.block_nbytes
-            for index in good:
-                payload = payloads[index]
-                assert payload is not None
-                target[index] = payload[start:stop]
-        if state is not None and item.state_nbytes:
-            window = layout.state_view(region, item.layer)
-            window.reshape(-1)[:] = state[item.state_offset : item.state_offset + item.state_nbytes]
-        header.publish_layer(item.layer)
-        announce("layer", job.job_id, item.layer)
+    layers = _Layers(job, layout, region, gate, announce, state)
+    layers.publish_until(layers.first_with_blocks)
+    payloads, block_ok, lease_open = _load_blocks(reader, job, region, layout, direct, layers)
+    if layers.statuses_set:  # handed on as they arrived: what failed since is a miss now
+        header.fail_blocks(~block_ok)
+    else:
+        header.set_block_statuses(block_ok)
+    layers.payloads = payloads
+    layers.publish_until(kv.num_layers)
     header.publish_done()
     announce("done", job.job_id)
     if lease_open and job.lease_id is not None:
         _release(reader, job.lease_id)
 
 
+class _Layers:
+    """Publishes one job's layers in order, each once, after its gate: the window state's
+    slices and the blocks read through the gateway (``payloads``) are copied in first; a
+    block read directly is in place already. A direct read hands the layers on as its blocks'
+    bytes arrive (``on_prefix``), so that layer 0 can be swapped in while the later layers
+    are still on the wire."""
+
+    def __init__(
+        self,
+        job: FetchJob,
+        layout: StageLayout,
+        region: np.ndarray,
+        gate: LayerGate | None,
+        announce: Any,
+        state: np.ndarray | None,
+    ) -> None:
+        self.job, self.layout, self.region = job, layout, region
+        self.header = layout.header(region)
+        self._gate, self._announce, self._state = gate, announce, state
+        kv = job.kv
+        with_blocks = [item.layer for item in kv.layers if item.block_nbytes]
+        #: The blocks are read when this layer is due (the last one when none has blocks).
+        self.first_with_blocks = with_blocks[0] if with_blocks else kv.num_layers - 1
+        #: Where each layer's block bytes end in a block.
+        self._ends = [item.block_offset + item.block_nbytes for item in kv.layers]
+        self.next = 0
+        self.statuses_set = False
+        self.payloads: list[np.ndarray | None] = []
+
+    def publish_until(self, stop: int) -> None:
+        """Publish the layers before ``stop`` not published yet."""
+        kv = self.job.kv
+        while self.next < stop:
+            item = kv.layers[self.next]
+            if self._gate is not None:
+                self._gate.before_layer(self.job.job_id, item.layer)
+            if item.block_nbytes:
+                target = self.layout.blocks_view(self.region, item.layer)
+                start, stop_at = item.block_offset, item.block_offset + item.block_nbytes
+                for index, payload in enumerate(self.payloads):
+                    if payload is not None:
+                        target[index] = payload[start:stop_at]
+            if self._state is not None and item.state_nbytes:
+                window = self.layout.state_view(self.region, item.layer)
+                window.reshape(-1)[:] = self._state[
+                    item.state_offset : item.state_offset + item.state_nbytes
+                ]
+            self.header.publish_layer(item.layer)
+            self._announce("layer", self.job.job_id, item.layer)
+            self.next += 1
+
+    def on_prefix(self, nbytes: int, whole: np.ndarray, read: np.ndarray) -> bool:
+        """A direct read's progress: every block in ``whole`` has its first ``nbytes`` bytes
+        in place and checked; ``read``: the blocks it reads (the others are misses). Publishes
+        the layers those bytes complete once every block read is that far; True once any
+        layer with block bytes has been handed on (the read must not rewrite a block now)."""
+        if whole[read].all():
+            stop = self.next
+            while stop < len(self._ends) and self._ends[stop] <= nbytes:
+                stop += 1
+            if stop > self.first_with_blocks and self.next <= self.first_with_blocks:
+                self.header.set_block_statuses(read)  # a block failing later is failed then
+                self.statuses_set = True
+            self.publish_until(stop)
+        return self.statuses_set
+
+
 def _load_blocks(
-    reader: TierReader, job: FetchJob, nbytes: int, direct: DirectBlocks | None
+    reader: TierReader,
+    job: FetchJob,
+    region: np.ndarray,
+    layout: StageLayout,
+    direct: DirectBlocks | None,
+    layers: _Layers | None = None,
 ) -> tuple[list[np.ndarray | None], np.ndarray, bool]:
-    """The job's blocks, which were read, and whether its lease is still open (read directly
-    in full: no gateway read ended it, the fetcher gives it back once the load is staged).
-    With a grant, the blocks come from the storage nodes and only those that did not are read
-    through the gateway (a miss there too is a miss)."""
+    """Which of the job's blocks were read, the payloads of those read through the gateway
+    (to be copied into staging; a block read directly is already there), and whether the
+    job's lease is still open (read directly in full: no gateway read ended it, the fetcher
+    gives it back once the load is staged). With a grant, the blocks come from the storage
+    nodes and only those that did not are read through the tier (a miss there too is a
+    miss), unless ``layers`` handed some of them on while they arrived: then the blocks that
+    did not come whole are misses."""
+    nbytes = job.kv.block_bytes
     grant = job.direct
     if direct is None or grant is None or len(grant) != len(job.keys) or not job.keys:
         return (*_read_blocks(reader, job.keys, job.lease_id, nbytes), False)
     try:
-        found = direct.read(grant, nbytes)
+        placed = direct.read_into(
+            grant, nbytes, region, layout, None if layers is None else layers.on_prefix
+        )
     except Exception as error:  # noqa: BLE001 - the gateway path still reads every block
         log.warning("direct read of %d blocks failed: %s", len(job.keys), error)
-        found = None
-    if found is None:
+        placed = None
+    payloads: list[np.ndarray | None] = [None] * len(job.keys)
+    if layers is not None and layers.statuses_set:
+        return payloads, np.zeros(len(job.keys), bool) if placed is None else placed, True
+    if placed is None:
         return (*_read_blocks(reader, job.keys, job.lease_id, nbytes), False)
-    payloads, block_ok = found
-    missing = np.flatnonzero(~block_ok)
+    missing = np.flatnonzero(~placed)
     if not missing.size:
-        return payloads, block_ok, True
+        return payloads, placed, True
     keys = [job.keys[i] for i in missing.tolist()]
     again, again_ok = _read_blocks(reader, keys, job.lease_id, nbytes)  # ends the lease
     for index, payload in zip(missing.tolist(), again, strict=True):
         payloads[index] = payload
+    block_ok = placed.copy()
     block_ok[missing] = again_ok
     return payloads, block_ok, False
 

@@ -120,6 +120,16 @@ class StageLayout:
         raw = region[offset : offset + self.n_blocks * item.block_nbytes]
         return raw.reshape(self.n_blocks, item.block_nbytes)
 
+    def block_segments(self) -> tuple[tuple[int, int, int], ...]:
+        """Where a block's bytes go: ``(offset in the block, bytes, offset of row 0's slice
+        in the region)`` per layer with block KV, in block order; row r's slice of a layer is
+        r slices further on (``kvstore.blockstore.direct.Spread``)."""
+        return tuple(
+            (item.block_offset, item.block_nbytes, self.sections[item.layer][0])
+            for item in self.kv.layers
+            if item.block_nbytes
+        )
+
     def state_view(self, region: np.ndarray, layer: int) -> np.ndarray:
         """Layer ``layer``'s SWA window as ``window_shape`` (empty when not staged)."""
         item = self.kv.layer(layer)
@@ -196,6 +206,13 @@ class StageHeader:
         """Set before the first layer with block bytes is published."""
         self._block_status[:] = np.where(block_ok, OK, FAILED)
         self._statuses_final[0] = self._job[0]
+
+    def fail_blocks(self, failed: np.ndarray) -> None:
+        """Blocks that failed after their first layers were published (a read that hands
+        layers on as they arrive, ``kvstore.engine.directfetch``): OK only ever turns FAILED,
+        before the last layer is published, so the statuses the engine reads once the last
+        layer is in are the final ones."""
+        self._block_status[np.flatnonzero(failed)] = FAILED
 
     def set_statuses(self, block_ok: np.ndarray, state_ok: bool | None) -> None:
         if state_ok is not None:

@@ -262,7 +262,8 @@ class SwapIn:
                 # The state's status is final before layer 0 is published.
                 windows = target.windows
             if ok is None and item.block_nbytes:
-                # Block statuses are final before the first layer with block bytes.
+                # Block statuses are set before the first layer with block bytes (a block
+                # may still fail later: checked again after the last layer).
                 ok = np.asarray(source.block_ok(), dtype=bool)
                 good = np.flatnonzero(ok)
                 block_ids = target.block_ids[good]
@@ -286,8 +287,10 @@ class SwapIn:
         if last_event is not None:
             # The staging region must outlive the device copies that read it.
             last_event.synchronize()
-        if ok is None:
-            ok = np.asarray(source.block_ok(), dtype=bool)
+        # A block may fail after its first layers were staged (``StageHeader.fail_blocks``):
+        # what the statuses say once the last layer is in is final.
+        final = np.asarray(source.block_ok(), dtype=bool)
+        ok = final if ok is None else ok & final
         failed = target.block_ids[np.flatnonzero(~ok)]
         return LoadResult(
             target.request_id, tuple(int(b) for b in failed), int(ok.sum()), bool(windows)

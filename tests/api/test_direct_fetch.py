@@ -15,9 +15,10 @@ import pytest
 
 from kvstore.api.client import ClientFactory, KVStoreClient
 from kvstore.api.server import ServerOptions
-from kvstore.engine.fetcher import Fetcher
+from kvstore.engine.directfetch import DirectBlocks
+from kvstore.engine.fetcher import FetchJob, Fetcher, run_job
 from kvstore.engine.kvlayout import KVLayout
-from kvstore.engine.staging import StagingArea
+from kvstore.engine.staging import OK, StageLayout, StagingArea
 from kvstore.keys import BLOCK_TOKENS, block_keys
 from kvstore.runtime.service import RunningService, embedded_service
 from kvstore.tier.records import DirectGrant, HitAnswer, HitRequest, Layout
@@ -108,6 +109,74 @@ def test_a_load_with_a_grant_stages_the_stored_bytes_from_the_nodes(
     while _lease_open(running, answer.lease_id) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _lease_open(running, answer.lease_id)  # given back once staged
+
+
+def _run_in_process(
+    factory: ClientFactory, area: StagingArea, answer: HitAnswer, grant: DirectGrant
+) -> tuple[list[bytes | None], list[tuple[str, int, int]]]:
+    """The fetcher's job run in this process (so its reader's counters can be watched):
+    each block as staged (None: failed) and, per announcement, (what, layer, bytes the
+    reader had received by then)."""
+    kv = KVLayout.blocks_only(list(LAYERS))
+    keys = tuple(answer.hit_block_keys)
+    layout = StageLayout.plan(kv, len(keys), False)
+    region = area.allocate(layout.total_bytes)
+    view = area.view(region)
+    layout.header(view).initialise(1)
+    direct = DirectBlocks(tls=None)
+    told: list[tuple[str, int, int]] = []
+
+    def announce(what: str, job: int, *layer: int) -> None:
+        told.append((what, layer[0] if layer else -1, direct.counters.get("bytes_received", 0)))
+
+    job = FetchJob(1, region.offset, region.nbytes, kv, keys, answer.lease_id, direct=grant)
+    try:
+        with factory() as reader:
+            run_job(job, view, reader, None, announce, direct)
+        ok = layout.header(view).block_status() == OK
+        staged = [
+            b"".join(layout.blocks_view(view, layer)[b].tobytes() for layer in range(4))
+            if ok[b]
+            else None
+            for b in range(len(keys))
+        ]
+    finally:
+        direct.close()
+        area.free(region)
+    return staged, told
+
+
+def test_layers_are_handed_on_while_the_later_ones_are_still_on_the_wire(
+    running: RunningService, factory: ClientFactory, area: StagingArea
+) -> None:
+    answer, payloads = _hit(factory, 6, 6)
+    assert answer.direct is not None
+    staged, told = _run_in_process(factory, area, answer, answer.direct)
+    assert staged == payloads
+    layers = [(layer, received) for what, layer, received in told if what == "layer"]
+    assert [layer for layer, _ in layers] == [0, 1, 2, 3]
+    total = told[-1][2]
+    # Layer 0 is the first quarter of each block: published once shards 0-2 of 10 are in.
+    assert layers[0][1] <= 0.4 * total, (layers, total)
+
+
+def test_a_block_that_stops_arriving_after_its_first_layers_is_a_miss(
+    running: RunningService, factory: ClientFactory, area: StagingArea
+) -> None:
+    """Block 3's shard 8 has no node to ask: its first layers were handed on with the
+    others', so it is failed (the engine recomputes it), not read again through the gateway
+    under a reader that may be copying it."""
+    answer, payloads = _hit(factory, 7, 5)
+    grant = answer.direct
+    assert grant is not None
+    placements = grant.placements.copy()
+    placements[3, 8] = -1
+    staged, told = _run_in_process(
+        factory, area, answer, dataclasses.replace(grant, placements=placements)
+    )
+    assert staged == [p if b != 3 else None for b, p in enumerate(payloads)]
+    layers = [received for what, _, received in told if what == "layer"]
+    assert layers[0] < told[-1][2]  # layer 0 went out before the read ended
 
 
 def test_a_block_the_nodes_cannot_serve_comes_through_the_gateway(

@@ -284,3 +284,26 @@ def test_submit_refuses_rows_outside_the_cache(area, rows, swapin) -> None:
     with pytest.raises(InvalidArgument, match="windows"):
         swapin.submit(stage, target("x", (0,), windows=(as_ids([-1]),)))
     stage.release()
+
+
+class _FailsAfterLayerZero(PreparedStage):
+    """A stage whose second block fails after its first layers were staged (as a direct read
+    that hands layers on as they arrive reports a block that did not come whole)."""
+
+    def __init__(self, area: StagingArea, layout: StageLayout) -> None:
+        super().__init__(area, layout)
+        self.asked = 0
+
+    def block_ok(self) -> np.ndarray:
+        self.asked += 1
+        return np.array([True, self.asked == 1])
+
+
+def test_a_block_that_fails_after_its_first_layers_is_reported_failed(
+    area, rows, swapin, cache
+) -> None:
+    layout = StageLayout.plan(rows.kv, n_blocks=2, with_state=False)
+    stage = _FailsAfterLayerZero(area, layout)
+    result = swapin.submit(stage, target("late", (3, 4))).result(timeout=60)
+    assert stage.asked >= 2  # asked again once the last layer was in
+    assert result.blocks_loaded == 1 and result.failed_block_ids == (4,)

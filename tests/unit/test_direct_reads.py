@@ -15,7 +15,7 @@ import pytest
 from certs import self_signed
 from readnodes import ReadNodes, block_key
 
-from kvstore.blockstore.direct import DirectReader, _Connection
+from kvstore.blockstore.direct import DirectReader, Spread, _Connection
 from kvstore.blockstore.readserver import EngineReadServer
 from kvstore.blockstore.records import BlockLocation
 from kvstore.blockstore.segments import RECORD_BYTES
@@ -81,6 +81,127 @@ def test_blocks_go_where_the_offsets_say(tier: ReadNodes) -> None:
         reader.read_into(tier.capability(blocks), blocks, out, [0, SIZE // 2, 2 * SIZE])
     with pytest.raises(ValueError, match="do not hold"):
         reader.read_into(tier.capability(blocks), blocks, out[: 2 * SIZE])
+
+
+#: Three "layers" of a block, cut where no fragment boundary is (fragments are 10,048 bytes):
+#: every data shard's fragment crosses into a second layer somewhere.
+LAYERS = ((0, 30_000), (30_000, 45_000), (75_000, 25_000))
+
+
+def _layer_major(rows: list[int], top: int) -> tuple[Spread, np.ndarray]:
+    """A staging-like spread of ``top`` rows per layer, sections 64 bytes apart, and its out."""
+    segments, base = [], 64
+    for offset, length in LAYERS:
+        segments.append((offset, length, base))
+        base += top * length + 64
+    return Spread(tuple(segments), tuple(rows)), np.zeros(base, np.uint8)
+
+
+def _check_layer_major(
+    tier: ReadNodes, blocks: list[BlockLocation], spread: Spread, out: np.ndarray, ok: list[bool]
+) -> None:
+    for block, row, good in zip(blocks, spread.rows, ok, strict=True):
+        if not good:
+            continue
+        payload = tier.payloads[block.key]
+        for offset, length, base in spread.segments:
+            at = base + row * length
+            assert np.array_equal(out[at : at + length], payload[offset : offset + length])
+
+
+def test_blocks_land_layer_major_where_the_spread_says(tier: ReadNodes) -> None:
+    """A load's staging is layer-major: each fragment is cut at the layer boundaries it
+    crosses and lands in each layer's section at its block's row; nothing else is written."""
+    blocks = _lease(tier)[:6]
+    rows = [4, 0, 6, 2, 5, 1]  # row 3 is left out: a block of another size, never read
+    spread, out = _layer_major(rows, 7)
+    reader = DirectReader(tier.endpoints, 10, 2)
+    ok = reader.read_into(tier.capability(blocks), blocks, out, spread=spread)
+    assert ok == [True] * 6
+    _check_layer_major(tier, blocks, spread, out, ok)
+    assert reader.counters["fast_blocks"] == 6 and reader.counters["decoded_blocks"] == 0
+    for _, length, base in spread.segments:  # row 3 of every layer, and the gaps: untouched
+        assert not out[base + 3 * length : base + 4 * length].any()
+        assert not out[base - 64 : base].any()
+    cap = tier.capability(blocks)
+    with pytest.raises(ValueError, match="distinct"):
+        reader.read_into(cap, blocks, out, spread=Spread(spread.segments, (0, 0, 1, 2, 3, 4)))
+    with pytest.raises(ValueError, match="tile"):
+        reader.read_into(cap, blocks, out, spread=Spread(spread.segments[1:], spread.rows))
+    with pytest.raises(ValueError, match="overlap"):
+        squeezed = tuple((o, n, 64) for o, n, _ in spread.segments)
+        reader.read_into(cap, blocks, out, spread=Spread(squeezed, spread.rows))
+    with pytest.raises(ValueError, match="do not hold"):
+        reader.read_into(cap, blocks, out[:-100], spread=spread)
+    with pytest.raises(ValueError, match="one of them"):
+        reader.read_into(cap, blocks, out, [0] * 6, spread=spread)
+
+
+def test_layer_major_blocks_are_decoded_into_place_or_missed(tier: ReadNodes) -> None:
+    """With a node down every block is decoded from parity, then cut up into its layers; a
+    block with more losses than parity is a miss."""
+    blocks = _lease(tier)
+    victim = blocks[7]
+    tier.servers[victim.placement[0]].close()
+    for index in (3, 9):  # with the node down, three shards of one block lost, m = 2
+        _damage(tier, victim.placement[index], victim.key)
+    spread, out = _layer_major(list(range(len(blocks))), len(blocks))
+    reader = DirectReader(tier.endpoints, 10, 2, timeout_s=5.0)
+    ok = reader.read_into(tier.capability(blocks), blocks, out, spread=spread)
+    assert ok == [b != 7 for b in range(len(blocks))]
+    _check_layer_major(tier, blocks, spread, out, ok)
+    assert reader.counters["decoded_blocks"] > 0
+
+
+def test_progress_hands_on_each_blocks_first_bytes_in_order(tier: ReadNodes) -> None:
+    """With ``on_prefix`` the data shards come stripe position by position: each report
+    names a longer prefix, and every byte of it is in place and checked when it is made."""
+    blocks = _lease(tier)
+    spread, out = _layer_major(list(range(len(blocks))), len(blocks))
+    seen: list[int] = []
+
+    def on_prefix(nbytes: int, whole: np.ndarray) -> bool:
+        assert whole.all()
+        for block, row in zip(blocks, spread.rows, strict=True):
+            payload = tier.payloads[block.key]
+            for offset, length, base in spread.segments:
+                upto = min(length, nbytes - offset)
+                if upto > 0:
+                    at = base + row * length
+                    assert np.array_equal(out[at : at + upto], payload[offset : offset + upto])
+        seen.append(nbytes)
+        return True
+
+    reader = DirectReader(tier.endpoints, 10, 2)
+    ok = reader.read_into(tier.capability(blocks), blocks, out, spread=spread, on_prefix=on_prefix)
+    assert ok == [True] * len(blocks)
+    assert seen == sorted(seen) and len(seen) == 10 and seen[-1] == SIZE and seen[0] < SIZE / 5
+    with pytest.raises(ValueError, match="spread"):
+        reader.read_into(tier.capability(blocks), blocks, out, on_prefix=on_prefix)
+
+
+@pytest.mark.parametrize("handed_on", [True, False])
+def test_a_block_damaged_after_its_bytes_were_handed_on_is_a_miss(
+    tier: ReadNodes, handed_on: bool
+) -> None:
+    """Bytes handed on may be in use: a block found bad later is a miss, never decoded into
+    place under its reader; while nothing was handed on, it is decoded from parity."""
+    blocks = _lease(tier)
+    victim = blocks[7]
+    _damage(tier, victim.placement[6], victim.key)
+    spread, out = _layer_major(list(range(len(blocks))), len(blocks))
+    wholes: list[bool] = []
+
+    def on_prefix(nbytes: int, whole: np.ndarray) -> bool:
+        wholes.append(bool(whole[7]))
+        return handed_on
+
+    reader = DirectReader(tier.endpoints, 10, 2)
+    ok = reader.read_into(tier.capability(blocks), blocks, out, spread=spread, on_prefix=on_prefix)
+    assert wholes == [True] * 6 + [False] * 4  # whole up to the damaged shard 6
+    assert ok == [b != 7 or not handed_on for b in range(len(blocks))]
+    _check_layer_major(tier, blocks, spread, out, ok)
+    assert reader.counters["decoded_blocks"] == (0 if handed_on else 1)
 
 
 def test_a_node_down_is_decoded_around_from_parity(tier: ReadNodes) -> None:
