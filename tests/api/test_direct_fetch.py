@@ -16,7 +16,7 @@ import pytest
 from kvstore.api.client import ClientFactory, KVStoreClient
 from kvstore.api.server import ServerOptions
 from kvstore.engine.directfetch import DirectBlocks
-from kvstore.engine.fetcher import FetchJob, Fetcher, run_job
+from kvstore.engine.fetcher import Fetcher, FetchJob, run_job
 from kvstore.engine.kvlayout import KVLayout
 from kvstore.engine.staging import OK, StageLayout, StagingArea
 from kvstore.keys import BLOCK_TOKENS, block_keys
