@@ -64,8 +64,9 @@ class WorkerStats:
     loads_failed: int = 0
     #: Seconds from a load's start to its last layer being copied in.
     load_seconds: float = 0.0
-    #: Seconds from a load's start until the fetcher had staged its first layer (the tier's
-    #: read: every block is read before any layer is published) and its last layer.
+    #: Seconds from a load's start until the fetcher had staged its first layer (a direct
+    #: read hands layers on as they arrive; through the gateway every block is read first)
+    #: and its last layer.
     read_seconds: float = 0.0
     staged_seconds: float = 0.0
     #: Seconds the forward spent waiting in ``wait_layer`` (the part not hidden by compute).
