@@ -9,11 +9,12 @@ data shard's fragment at its place in its block (or cut at the layer boundaries 
 a layer-major staging region: ``Spread``), its 64-byte header into a small table beside (no
 ``bytes`` per block or shard). Importable without Ray or any server module.
 
-**Order.** Every request goes out at once (a node answers its requests in order, serving the
-next while the reader takes the last). A reader that hands bytes on as they arrive
-(``on_prefix``) asks for the data shards stripe position by position: position 0 of every
-block first, then 1, ...; so each block's first bytes (a layer-major load's first layers) are
-in place and checked while the rest is still on the wire.
+**Order.** Every request goes out at once and the replies of all nodes are taken as their
+bytes arrive, a turn of each ready node at a time (``readlinks.NodeLinks.exchange``). A reader
+that hands bytes on as they arrive (``on_prefix``) asks each node for its data shards stripe
+position by position: position 0 of every block first, then 1, ...; so every block's first
+bytes (a layer-major load's first layers) are in place and checked while the rest is still on
+the wire.
 
 **Checks.** The common case needs no decode: with every data shard of a block served at the
 length its size implies, the block is the fragments end to end. A shard counts once its header
@@ -30,17 +31,12 @@ never handed out as a block. Once the caller has handed bytes on, a block that f
 at once: decoding it into place would rewrite bytes that may be in use.
 
 Failures never escape: a node that cannot be reached, times out or answers what is not a reply
-loses its connection and counts as holding nothing this read. Not thread-safe: one reader per
-thread (each keeps one connection per node).
+loses its connection, and counts as holding only the shards it sent whole before that. Not
+thread-safe: one reader per thread (each keeps one connection per node).
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
-import socket
-import ssl
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -52,6 +48,7 @@ import xxhash
 
 from kvstore.blockstore import readproto as proto
 from kvstore.blockstore.capability import ReadCapability
+from kvstore.blockstore.readlinks import Items, NodeLinks, ReadEndpoint, Request
 from kvstore.blockstore.records import BlockLocation
 from kvstore.ec.codec import Codec
 from kvstore.ec.shard import (
@@ -65,14 +62,7 @@ from kvstore.ec.shard import (
     writes_by_payload,
 )
 from kvstore.errors import ECError
-from kvstore.fastcall.tls import ClientTLS, client_context, tls_handshake
-
-#: Buffers one ``recvmsg_into`` fills at the most (IOV_MAX is 1024 on Linux).
-_MAX_PIECES = 512
-_LENGTH_BYTES = 4
-
-#: (host, port) of a node's engine read socket.
-ReadEndpoint = tuple[str, int]
+from kvstore.fastcall.tls import ClientTLS
 
 
 @dataclass(frozen=True)
@@ -124,80 +114,6 @@ class Spread:
         return out
 
 
-class _ProtocolError(Exception):
-    """A node answered what is not a reply to the request: drop its connection."""
-
-
-class _Connection:
-    """One socket to a node's engine read socket (TLS where set); every operation bounded by
-    the read's deadline."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._scatter = not isinstance(sock, ssl.SSLSocket)  # TLS has no recvmsg_into
-
-    @classmethod
-    def dial(cls, endpoint: ReadEndpoint, tls: ClientTLS | None, deadline: float) -> _Connection:
-        host, port = endpoint
-        sock = socket.create_connection(
-            (host, port), timeout=max(0.001, deadline - time.monotonic())
-        )
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if tls is not None:
-                sock = client_context(tls).wrap_socket(
-                    sock, server_hostname=tls.server_name, do_handshake_on_connect=False
-                )
-                tls_handshake(sock, deadline)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock)
-
-    def _until(self, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("engine reads: the node took too long")
-        self._sock.settimeout(left)
-
-    def send(self, data: bytes, deadline: float) -> None:
-        self._until(deadline)
-        self._sock.sendall(data)
-
-    def recv_into(self, view: memoryview, deadline: float) -> None:
-        while view:
-            self._until(deadline)
-            got = self._sock.recv_into(view)
-            if not got:
-                raise EOFError("engine reads: the node closed the connection")
-            view = view[got:]
-
-    def recv_pieces(self, pieces: list[memoryview], deadline: float) -> None:
-        """Fill ``pieces`` in order from the stream: scatter-gather, a batch per call (each
-        call fills what the socket holds; where it stopped is found by bisection, not by
-        walking the pieces)."""
-        if not self._scatter:
-            for piece in pieces:
-                self.recv_into(piece, deadline)
-            return
-        ends = list(itertools.accumulate(map(len, pieces)))
-        total = ends[-1] if ends else 0
-        done = 0
-        at = 0  # the first piece not yet full
-        while done < total:
-            self._until(deadline)
-            got = self._sock.recvmsg_into(pieces[at : at + _MAX_PIECES])[0]
-            if not got:
-                raise EOFError("engine reads: the node closed the connection")
-            done += got
-            at = bisect.bisect_right(ends, done, at)
-            if at < len(pieces) and done > ends[at] - len(pieces[at]):
-                pieces[at] = pieces[at][len(pieces[at]) - (ends[at] - done) :]
-
-    def close(self) -> None:
-        self._sock.close()
-
-
 @dataclass
 class _Read:
     """One ``read_into``: its blocks as arrays, where each goes, and what it sends each node."""
@@ -226,9 +142,6 @@ class _Read:
         return encoded
 
 
-#: (block positions, stripe indices) of the shards asked of one node, in request order.
-_Items = tuple[np.ndarray, np.ndarray]
-
 #: ``on_prefix(nbytes, whole) -> handed on``: see ``DirectReader.read_into``.
 OnPrefix = Callable[[int, np.ndarray], bool]
 
@@ -248,40 +161,20 @@ class DirectReader:
     ) -> None:
         self.endpoints = dict(endpoints)
         self.k, self.m = k, m
-        self._tls = tls
         self._timeout = timeout_s
         self._codec = Codec(k, m)
-        self._conns: dict[int, _Connection] = {}
         self.counters: Counter[str] = Counter()
+        self._links = NodeLinks(endpoints, tls, self.counters)
 
     def close(self) -> None:
-        for conn in self._conns.values():
-            conn.close()
-        self._conns.clear()
+        self._links.close()
 
     def reachable(self, timeout_s: float = 1.0) -> set[int]:
         """The nodes whose engine read socket this process can open (TLS included) within
         ``timeout_s``, all dialed at once: what a fetcher asks once to choose between reading
         directly and through the gateway (a client outside the cluster's network reaches
         none, and would otherwise wait out every read's timeout)."""
-        found: set[int] = set()
-        deadline = time.monotonic() + timeout_s
-
-        def dial(node: int, endpoint: ReadEndpoint) -> None:
-            try:
-                _Connection.dial(endpoint, self._tls, deadline).close()
-            except (OSError, ValueError):
-                return
-            found.add(node)
-
-        threads = [
-            threading.Thread(target=dial, args=item, daemon=True) for item in self.endpoints.items()
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()) + 0.1)
-        return set(found)
+        return self._links.reachable(timeout_s)
 
     def read_into(
         self,
@@ -356,6 +249,8 @@ class DirectReader:
 
     # --- the common case: data shards into place ------------------------------------------------
 
+    # --- the common case: data shards into place ------------------------------------------------
+
     def _fast(self, read: _Read, on_prefix: OnPrefix | None) -> tuple[np.ndarray, bool]:
         """Each block whose k data shards land in place and check out (see the module doc),
         and whether ``on_prefix`` put blocks' bytes to use before the read ended."""
@@ -368,7 +263,10 @@ class DirectReader:
         head_view = memoryview(heads).cast("B")  # type: ignore[arg-type]
         scratch = [memoryview(bytearray(int(fragments.max(initial=0))))]
         zeros = memoryview(bytes(int(fragments.max(initial=0))))  # padding is zeros (``ec.shard``)
+        landed = np.zeros((n, k), bool)
         checked = np.zeros((n, k), bool)
+        unchecked: list[Items] = []
+        told = 0  # stripe positions told to ``on_prefix`` so far
         in_use = False
 
         def place(
@@ -404,9 +302,14 @@ class DirectReader:
                     add(junk[:pad])
             return pieces, fits
 
-        def check(bs: np.ndarray, indices: np.ndarray) -> None:
-            """The shards (bs, indices) landed whole: check their headers against the block
-            and the stripe, the write against the block's shard 0, and their checksums."""
+        def check() -> None:
+            """The shards landed since the last check: their headers against the block and
+            the stripe, the write against the block's shard 0, and their checksums."""
+            if not unchecked:
+                return
+            bs = np.concatenate([b for b, _ in unchecked])
+            indices = np.concatenate([i for _, i in unchecked])
+            unchecked.clear()
             head = heads[bs, indices]
             good = (head[:, 8:12] == np.frombuffer(MAGIC, np.uint8)).all(axis=1)
             good &= (head[:, 12] == indices) & (head[:, 13] == VERSION)
@@ -435,28 +338,65 @@ class DirectReader:
                 good[row] = digest.digest() == heads[b, index, :CHECKED_FROM].tobytes()
             checked[bs[good], indices[good]] = True
 
-        def landed(index: int | None, taken: list[_Items]) -> None:
-            nonlocal in_use
-            for bs, indices in taken:
-                check(bs, indices)
-            if index is None or on_prefix is None:
-                return
-            whole = np.asarray(checked[:, : index + 1].all(axis=1))
-            prefix = min(int(sizes.max(initial=0)), (index + 1) * int(fragments.max(initial=0)))
-            in_use = bool(on_prefix(prefix, whole)) or in_use
+        def tell(upto: int) -> None:
+            """Tell ``on_prefix`` of stripe positions ``told`` .. ``upto`` - 1."""
+            nonlocal told, in_use
+            assert on_prefix is not None
+            largest = int(sizes.max(initial=0))
+            for index in range(told, upto):
+                whole = np.asarray(checked[:, : index + 1].all(axis=1))
+                prefix = min(largest, (index + 1) * int(fragments.max(initial=0)))
+                in_use = bool(on_prefix(prefix, whole)) or in_use
+            told = max(told, upto)
 
-        # With ``on_prefix`` the data shards are asked for stripe position by position (all
-        # sent at once, received in order), so that every block's first bytes are in place and
-        # checked before its later ones arrive; else all of them in one round.
-        placements = read.placements[:, :k]
-        if on_prefix is None:
-            rounds = [_asks(placements)]
-        else:
-            rounds = [_asks(np.where(np.arange(k) == i, placements, -1)) for i in range(k)]
-        self._exchange(read, rounds, place, landed if on_prefix else lambda _, t: landed(None, t))
+        def on_shards(got: list[Items]) -> None:
+            for bs, indices in got:
+                landed[bs, indices] = True
+                unchecked.append((bs, indices))
+            if on_prefix is None:
+                return
+            # Check (one batch) once a further stripe position has landed for every block.
+            reach = int(np.argmin(np.append(landed.all(axis=0), False)))
+            if reach > told:
+                check()
+                tell(int(np.argmin(np.append(checked.all(axis=0), False))))
+
+        # With ``on_prefix`` each node is asked for its data shards stripe position by position
+        # (0 of every block first), so every block's first bytes arrive before its last ones.
+        self._links.exchange(
+            self._requests(read, _asks(read.placements[:, :k]), by_position=on_prefix is not None),
+            place,
+            read.deadline,
+            on_shards,
+            pace=None if on_prefix is None else 1,
+        )
+        check()
+        if on_prefix is not None:
+            tell(k)
         good = np.asarray(checked.all(axis=1))
         self.counters["fast_blocks"] += int(good.sum())
         return good, in_use
+
+    def _requests(
+        self, read: _Read, asks: dict[int, Items], by_position: bool = False
+    ) -> dict[int, list[Request]]:
+        """Per node, the requests for its shards of ``asks`` (at most
+        ``MAX_SHARDS_PER_REQUEST`` each), block by block or stripe position by position."""
+        size = proto.MAX_SHARDS_PER_REQUEST
+        requests: dict[int, list[Request]] = {}
+        for node, (bs, ix) in asks.items():
+            if by_position:
+                order = np.lexsort((bs, ix))
+                bs, ix = bs[order], ix[order]
+            part = read.part(node)
+            requests[node] = [
+                (
+                    (bs[i : i + size], ix[i : i + size]),
+                    _request(part, read.keys[bs[i : i + size]].tobytes(), len(bs[i : i + size])),
+                )
+                for i in range(0, len(bs), size)
+            ]
+        return requests
 
     # --- the careful path: every shard, checked, decoded ----------------------------------------
 
@@ -479,7 +419,8 @@ class DirectReader:
 
         rows = np.array(chosen, np.int64)
         stripes: dict[int, list[np.ndarray | None]] = {b: [None] * width for b in chosen}
-        for bs, indices in self._exchange(read, [_asks(read.placements[rows], rows)], place):
+        asks = _asks(read.placements[rows], rows)
+        for bs, indices in self._links.exchange(self._requests(read, asks), place, read.deadline):
             for b, index in zip(bs.tolist(), indices.tolist(), strict=True):
                 stripes[b][index] = landing[b, index]
         out = []
@@ -532,148 +473,8 @@ class DirectReader:
                 return True
         return False
 
-    # --- one round of requests to the nodes -----------------------------------------------------
 
-    def _exchange(
-        self,
-        read: _Read,
-        rounds: list[dict[int, _Items]],
-        place: Any,
-        after_round: Callable[[int, list[_Items]], object] | None = None,
-    ) -> list[_Items]:
-        """Ask each node for its shards of every round, at most ``MAX_SHARDS_PER_REQUEST`` a
-        request, all requests sent at once (the node answers them in order, so it serves the
-        next while this reader takes the last), then take the replies round by round,
-        calling ``after_round(round, what it took)`` after each. The shards a reply serves are
-        received into the buffers ``place(blocks, indices, lengths)`` answers for them, with
-        which of them it takes; returns the (blocks, indices) taken from replies received
-        whole: a reply cut short counts for nothing, whatever part of it landed, and a node
-        that fails is asked nothing more in this exchange."""
-        size = proto.MAX_SHARDS_PER_REQUEST
-        queues: dict[int, list[tuple[int, _Items, bytes]]] = {}
-        for number, asks in enumerate(rounds):
-            for node, (bs, ix) in asks.items():
-                for i in range(0, len(bs), size):
-                    items = (bs[i : i + size], ix[i : i + size])
-                    request = _request(
-                        read.part(node), read.keys[items[0]].tobytes(), len(items[0])
-                    )
-                    queues.setdefault(node, []).append((number, items, request))
-        fresh: dict[int, bool] = {}  # node -> nothing received yet on a pooled connection
-        for node, queue in list(queues.items()):
-            reused = self._send(node, b"".join(request for *_, request in queue), read.deadline)
-            if reused is None:
-                del queues[node]
-            else:
-                fresh[node] = reused
-        taken: list[_Items] = []
-        for number in range(len(rounds)):
-            this_round: list[_Items] = []
-            for node in list(queues):
-                queue = queues[node]
-                while queue and queue[0][0] == number:
-                    got = self._take(node, queue, place, read.deadline, fresh)
-                    if got is None:
-                        del queues[node]
-                        break
-                    queue.pop(0)
-                    this_round.append(got)
-            taken += this_round
-            if after_round is not None:
-                after_round(number, this_round)
-        return taken
-
-    def _take(
-        self,
-        node: int,
-        queue: list[tuple[int, _Items, bytes]],
-        place: Any,
-        deadline: float,
-        fresh: dict[int, bool],
-    ) -> _Items | None:
-        """The reply to the first request of ``queue``; None: the node failed (its
-        connection is dropped). A pooled connection that fails before its first reply had
-        gone stale (the node's idle bound): it is redialed once and sent the queue again."""
-        items = queue[0][1]
-        try:
-            got = self._receive(node, items, place, deadline)
-        except (OSError, EOFError, _ProtocolError):
-            self._lost(node)
-            if not fresh.get(node):
-                return None
-            fresh[node] = False
-            requests = b"".join(request for *_, request in queue)
-            if self._send(node, requests, deadline, redial=True) is None:
-                return None
-            try:
-                got = self._receive(node, items, place, deadline)
-            except (OSError, EOFError, _ProtocolError):
-                self._lost(node)
-                return None
-        fresh[node] = False
-        return got
-
-    def _send(
-        self, node: int, request: bytes, deadline: float, redial: bool = False
-    ) -> bool | None:
-        """Send ``request`` to ``node``: True on a pooled connection (it may have gone stale:
-        a failure is worth one retry on a fresh one), False on a fresh one, None: failed."""
-        conn = self._conns.get(node)
-        reused = conn is not None and not redial
-        try:
-            if conn is None or redial:
-                conn = self._conns[node] = _Connection.dial(
-                    self.endpoints[node], self._tls, deadline
-                )
-            conn.send(request, deadline)
-            return reused
-        except (OSError, EOFError):
-            self._lost(node)
-            if reused:
-                return self._send(node, request, deadline, redial=True)
-            return None
-
-    def _receive(self, node: int, items: _Items, place: Any, deadline: float) -> _Items:
-        conn = self._conns[node]
-        bs, indices = items
-        head = bytearray(_LENGTH_BYTES + proto.REPLY.size)
-        conn.recv_into(memoryview(head), deadline)
-        frame = int.from_bytes(head[:_LENGTH_BYTES], "big")
-        magic, refusal, count, data_bytes = proto.REPLY.unpack_from(head, _LENGTH_BYTES)
-        table_size = proto.table_bytes(count)
-        if magic != proto.REPLY_MAGIC or count != len(bs):
-            raise _ProtocolError(f"node {node}: not a reply to {len(bs)} keys")
-        if frame != proto.REPLY.size + table_size + data_bytes:
-            raise _ProtocolError(f"node {node}: a reply frame of {frame} bytes is inconsistent")
-        table = bytearray(table_size)
-        conn.recv_into(memoryview(table), deadline)
-        statuses = np.frombuffer(table, np.uint8, count)
-        lengths = np.frombuffer(table, "<u4", count, proto.padded(count)).astype(np.int64)
-        served = statuses == proto.OK
-        if int(lengths[served].sum()) != data_bytes or lengths[~served].any():
-            raise _ProtocolError(f"node {node}: reply lengths do not add up")
-        if refusal:
-            self.counters[f"refused_{proto.NAMES.get(refusal, refusal)}"] += count
-        elif not served.all():
-            for status, times in Counter(statuses[~served].tolist()).items():
-                self.counters[f"shards_{proto.NAMES.get(status, status)}"] += times
-        bs, indices = bs[served], indices[served]
-        pieces, takes = place(bs, indices, lengths[served])
-        conn.recv_pieces([piece for piece in pieces if len(piece)], deadline)
-        self.counters["shards_served"] += len(bs)
-        self.counters["bytes_received"] += data_bytes
-        return bs[takes], indices[takes]
-
-    def _lost(self, node: int) -> None:
-        """A node that failed this read: its connection is dropped (a late reply must not
-        reach the next request), the next read dials it again."""
-        self.counters["node_failures"] += 1
-        conn = self._conns.pop(node, None)
-        if conn is not None:
-            conn.close()
-
-
-def _asks(placements: np.ndarray, rows: np.ndarray | None = None) -> dict[int, _Items]:
+def _asks(placements: np.ndarray, rows: np.ndarray | None = None) -> dict[int, Items]:
     """Node -> the (block, stripe index) it holds of ``placements`` (its rows are the blocks
     ``rows``, default 0..), block by block."""
     n, width = placements.shape
@@ -699,4 +500,4 @@ def _request(part: bytes, keys: bytes, count: int) -> bytes:
         proto.REQUEST_MAGIC, proto.OP_READ, proto.VERSION, 0, len(part), count
     )
     body = b"".join([head, part, keys])
-    return len(body).to_bytes(_LENGTH_BYTES, "big") + body
+    return len(body).to_bytes(4, "big") + body

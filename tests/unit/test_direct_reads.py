@@ -15,7 +15,8 @@ import pytest
 from certs import self_signed
 from readnodes import ReadNodes, block_key
 
-from kvstore.blockstore.direct import DirectReader, Spread, _Connection
+from kvstore.blockstore.direct import DirectReader, Spread
+from kvstore.blockstore.readlinks import Connection
 from kvstore.blockstore.readserver import EngineReadServer
 from kvstore.blockstore.records import BlockLocation
 from kvstore.blockstore.segments import RECORD_BYTES
@@ -246,7 +247,7 @@ def test_a_reader_outlives_a_node_restart_of_its_socket(tier: ReadNodes) -> None
     out = np.zeros(len(blocks) * SIZE, np.uint8)
     capability = tier.capability(blocks)
     assert reader.read_into(capability, blocks, out) == [True] * 4
-    for conn in list(reader._conns.values()):
+    for conn in list(reader._links._conns.values()):
         conn.close()  # as if each node had hung up
     ok = reader.read_into(capability, blocks, out)
     assert ok == [True] * 4
@@ -340,7 +341,7 @@ def test_a_reply_cut_anywhere_by_the_stream_fills_every_piece_in_order() -> None
         feeder = threading.Thread(target=feed)
         feeder.start()
         buffers = [bytearray(size) for size in sizes]
-        _Connection(receiver).recv_pieces([memoryview(b) for b in buffers], time.monotonic() + 30)
+        Connection(receiver).recv_pieces([memoryview(b) for b in buffers], time.monotonic() + 30)
         feeder.join()
         assert b"".join(buffers) == data
         sender.close()

@@ -1,0 +1,405 @@
+"""The engine side of the nodes' engine read sockets: one connection per node, and one
+exchange of read requests with every node at once (``DirectReader``'s wire).
+
+An exchange sends every request first (a node answers its requests in order) and then takes
+the replies of all nodes as their bytes arrive, over one ``poll`` of every socket, not node
+after node: while the reader drains one node the others keep sending, and every block's
+shards arrive in the order each node was asked for them (``DirectReader`` asks stripe position
+0 of every block first when it hands bytes on as they arrive). Each reply's shard bytes are
+received straight into the buffers the caller's ``place`` names (``recvmsg_into`` on a plain
+socket; TLS has no scatter receive, so piece by piece there), and the caller is told of each
+shard as soon as its last byte is in (``on_shards``).
+
+Failures never escape: a node that cannot be reached, times out or answers what is not a reply
+loses its connection and is asked nothing more in this exchange; what it sent whole before
+that still counts. A pooled connection that fails before its first reply had gone stale (the
+node's idle bound): it is dialed again once and sent its requests again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import selectors
+import socket
+import ssl
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from kvstore.blockstore import readproto as proto
+from kvstore.fastcall.tls import ClientTLS, client_context, tls_handshake
+
+#: Buffers one ``recvmsg_into`` fills at the most (IOV_MAX is 1024 on Linux).
+_MAX_PIECES = 512
+#: Bytes an exchange takes from one node before it turns to the next ready one: each node's
+#: first shards are taken before any node's last ones (the sockets may hold whole replies).
+_TURN_BYTES = 512 * 1024
+_LENGTH_BYTES = 4
+_HEAD_BYTES = _LENGTH_BYTES + proto.REPLY.size
+
+#: (host, port) of a node's engine read socket.
+ReadEndpoint = tuple[str, int]
+
+#: (block positions, stripe indices) of shards, in the order they were asked.
+Items = tuple[np.ndarray, np.ndarray]
+
+#: ``place(blocks, indices, lengths) -> (buffers, taken)``: where the served shards' bytes go,
+#: in order, and which of them the caller takes (the others land in scratch).
+Place = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[list[memoryview], np.ndarray]]
+
+#: One request to a node: the shards it asks for and its frame.
+Request = tuple[Items, bytes]
+
+
+class ProtocolError(Exception):
+    """A node answered what is not a reply to the request: drop its connection."""
+
+
+class Scatter:
+    """Buffers filled in order from a stream, as much as the socket holds per call; where a
+    call stopped is found by bisection, not by walking the buffers."""
+
+    def __init__(self, pieces: list[memoryview]) -> None:
+        self.pieces = [piece for piece in pieces if len(piece)]
+        self.ends = list(itertools.accumulate(map(len, self.pieces)))
+        self.total = self.ends[-1] if self.ends else 0
+        self.done = 0
+        self._at = 0  # the first piece not yet full
+
+    def receive(self, sock: socket.socket, most: int | None = None) -> int:
+        """One receive into the next buffers, of about ``most`` bytes at the most (default:
+        what the socket holds); the bytes it took (``EOFError`` at the end of the stream;
+        ``BlockingIOError`` / ``ssl.SSLWantReadError`` on a non-blocking socket with nothing
+        to take)."""
+        at = self._at
+        if isinstance(sock, ssl.SSLSocket):
+            got = sock.recv_into(self.pieces[at])
+        else:
+            stop = at + _MAX_PIECES
+            if most is not None:
+                stop = min(stop, max(at + 1, bisect.bisect_right(self.ends, self.done + most)))
+            got = sock.recvmsg_into(self.pieces[at:stop])[0]
+        if not got:
+            raise EOFError("engine reads: the node closed the connection")
+        self.done += got
+        at = self._at = bisect.bisect_right(self.ends, self.done, at)
+        if at < len(self.pieces) and self.done > self.ends[at] - len(self.pieces[at]):
+            self.pieces[at] = self.pieces[at][len(self.pieces[at]) - (self.ends[at] - self.done) :]
+        return got
+
+
+class Connection:
+    """One socket to a node's engine read socket (TLS where set); every blocking operation
+    bounded by the read's deadline."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    @classmethod
+    def dial(cls, endpoint: ReadEndpoint, tls: ClientTLS | None, deadline: float) -> Connection:
+        host, port = endpoint
+        sock = socket.create_connection(
+            (host, port), timeout=max(0.001, deadline - time.monotonic())
+        )
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                sock = client_context(tls).wrap_socket(
+                    sock, server_hostname=tls.server_name, do_handshake_on_connect=False
+                )
+                tls_handshake(sock, deadline)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
+
+    def _until(self, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("engine reads: the node took too long")
+        self.sock.settimeout(left)
+
+    def send(self, data: bytes, deadline: float) -> None:
+        self._until(deadline)
+        self.sock.sendall(data)
+
+    def recv_pieces(self, pieces: list[memoryview], deadline: float) -> None:
+        """Fill ``pieces`` in order from the stream (blocking)."""
+        scatter = Scatter(pieces)
+        while scatter.done < scatter.total:
+            self._until(deadline)
+            scatter.receive(self.sock)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Reply:
+    """One node's replies being taken without blocking: length and reply header, the status
+    and length table, then the shard bytes into the buffers ``place`` names."""
+
+    def __init__(self, node: int, conn: Connection, requests: list[Request], fresh: bool):
+        self.node, self.conn, self.requests = node, conn, requests
+        #: Nothing received yet on a connection from the pool (it may have gone stale).
+        self.fresh = fresh
+        self._start()
+
+    def _start(self) -> None:
+        self._head = bytearray(_HEAD_BYTES)
+        self._scatter = Scatter([memoryview(self._head)])
+        self._stage = "head"
+        self._table = bytearray()
+        self._data_bytes = 0
+        self._items: Items | None = None
+        self._shard_ends: list[int] = []
+        self._reported = 0
+
+    def step(self, place: Place, counters: Counter[str]) -> list[Items]:
+        """Take this node's turn: what the socket holds now, up to about ``_TURN_BYTES`` of
+        shard bytes; the shards whose last byte arrived, as (blocks, indices) the caller
+        took. ``EOFError``, ``OSError``, ``ProtocolError``: the node failed."""
+        landed: list[Items] = []
+        turn = _TURN_BYTES
+        while self.requests and turn > 0:
+            try:
+                got = self._scatter.receive(self.conn.sock, turn)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                break
+            counters["bytes_received"] += got
+            if self._stage == "data":
+                turn -= got
+            self.fresh = False
+            while self.requests and self._scatter.done == self._scatter.total:
+                if self._stage == "head":
+                    self._on_head()
+                elif self._stage == "table":
+                    self._on_table(place, counters)
+                else:
+                    break
+            if self._stage == "data":
+                landed += self._landed()
+                if self._scatter.done == self._scatter.total:
+                    self.requests.pop(0)
+                    self._start()
+        return landed
+
+    def _on_head(self) -> None:
+        (bs, _), _ = self.requests[0]
+        frame = int.from_bytes(self._head[:_LENGTH_BYTES], "big")
+        magic, refusal, count, data_bytes = proto.REPLY.unpack_from(self._head, _LENGTH_BYTES)
+        if magic != proto.REPLY_MAGIC or count != len(bs):
+            raise ProtocolError(f"node {self.node}: not a reply to {len(bs)} keys")
+        table_size = proto.table_bytes(count)
+        if frame != proto.REPLY.size + table_size + data_bytes:
+            raise ProtocolError(f"node {self.node}: a reply frame of {frame} bytes is inconsistent")
+        self._refusal, self._count, self._data_bytes = refusal, count, data_bytes
+        self._table = bytearray(table_size)
+        self._scatter = Scatter([memoryview(self._table)])
+        self._stage = "table"
+
+    def _on_table(self, place: Place, counters: Counter[str]) -> None:
+        (bs, indices), _ = self.requests[0]
+        count = self._count
+        statuses = np.frombuffer(self._table, np.uint8, count)
+        lengths = np.frombuffer(self._table, "<u4", count, proto.padded(count)).astype(np.int64)
+        served = statuses == proto.OK
+        if int(lengths[served].sum()) != self._data_bytes or lengths[~served].any():
+            raise ProtocolError(f"node {self.node}: reply lengths do not add up")
+        if self._refusal:
+            counters[f"refused_{proto.NAMES.get(self._refusal, self._refusal)}"] += count
+        elif not served.all():
+            for status, times in Counter(statuses[~served].tolist()).items():
+                counters[f"shards_{proto.NAMES.get(status, status)}"] += times
+        bs, indices, lengths = bs[served], indices[served], lengths[served]
+        pieces, taken = place(bs, indices, lengths)
+        counters["shards_served"] += len(bs)
+        self._items = (bs, indices)
+        self._taken = taken
+        self._shard_ends = list(itertools.accumulate(lengths.tolist()))
+        self._scatter = Scatter(pieces)
+        self._stage = "data"
+
+    def position(self) -> int:
+        """The stripe position of the next shard this node sends (``sys.maxsize``: none)."""
+        if self._stage == "data" and self._items is not None:
+            positions = self._items[1]
+            if self._reported < len(positions):
+                return int(positions[self._reported])
+        for (_, positions), _ in self.requests[1 if self._stage == "data" else 0 :]:
+            if len(positions):
+                return int(positions[0])
+        return sys.maxsize
+
+    def _landed(self) -> list[Items]:
+        """The shards of this reply whose last byte is in since the last call."""
+        whole = bisect.bisect_right(self._shard_ends, self._scatter.done, self._reported)
+        if whole == self._reported:
+            return []
+        assert self._items is not None
+        span = slice(self._reported, whole)
+        self._reported = whole
+        taken = self._taken[span]
+        return [(self._items[0][span][taken], self._items[1][span][taken])]
+
+
+class NodeLinks:
+    """One process's connections to the nodes at ``endpoints`` (node id → engine read socket),
+    kept across exchanges. Not thread-safe."""
+
+    def __init__(
+        self, endpoints: Mapping[int, ReadEndpoint], tls: ClientTLS | None, counters: Counter[str]
+    ) -> None:
+        self.endpoints = dict(endpoints)
+        self._tls = tls
+        self._conns: dict[int, Connection] = {}
+        self.counters = counters
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+
+    def reachable(self, timeout_s: float = 1.0) -> set[int]:
+        """The nodes whose engine read socket this process can open (TLS included) within
+        ``timeout_s``, all dialed at once."""
+        found: set[int] = set()
+        deadline = time.monotonic() + timeout_s
+
+        def dial(node: int, endpoint: ReadEndpoint) -> None:
+            try:
+                conn = Connection.dial(endpoint, self._tls, deadline)
+            except (OSError, ValueError):
+                return
+            conn.close()
+            found.add(node)
+
+        threads = [
+            threading.Thread(target=dial, args=item, daemon=True) for item in self.endpoints.items()
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()) + 0.1)
+        return set(found)
+
+    def exchange(
+        self,
+        requests: Mapping[int, list[Request]],
+        place: Place,
+        deadline: float,
+        on_shards: Callable[[list[Items]], object] | None = None,
+        pace: int | None = None,
+    ) -> list[Items]:
+        """Send each node its ``requests`` and take every reply as it arrives; the shards that
+        landed whole and were taken, as (blocks, indices), also told to ``on_shards`` as they
+        land. ``pace``: with requests in stripe position order, a node more than ``pace``
+        positions ahead of the slowest one waits (its bytes stay in its socket and it stops
+        sending) until that one catches up: every block's first shards come first, and the
+        CPU goes to the node holding them back."""
+        replies: dict[int, _Reply] = {}
+        for node, asked in requests.items():
+            opened = self._open(node, list(asked), deadline)
+            if opened is not None:
+                replies[node] = opened
+        landed: list[Items] = []
+        with selectors.DefaultSelector() as selector:
+            waiting: set[int] = set()  # nodes ahead by more than ``pace``: not listened to
+
+            def listen(reply: _Reply) -> None:
+                reply.conn.sock.setblocking(False)
+                selector.register(reply.conn.sock, selectors.EVENT_READ, reply)
+
+            def forget(reply: _Reply) -> None:
+                if reply.node in waiting:
+                    waiting.discard(reply.node)
+                else:
+                    selector.unregister(reply.conn.sock)
+                del replies[reply.node]
+
+            def keep_pace() -> None:
+                if pace is None or not replies:
+                    return
+                floor = min(reply.position() for reply in replies.values())
+                for node, reply in replies.items():
+                    ahead = reply.position() > floor + pace
+                    if ahead and node not in waiting:
+                        selector.unregister(reply.conn.sock)
+                        waiting.add(node)
+                    elif not ahead and node in waiting:
+                        waiting.discard(node)
+                        listen(reply)
+
+            for reply in replies.values():
+                listen(reply)
+            keep_pace()
+            while replies:
+                left = deadline - time.monotonic()
+                ready = selector.select(left) if left > 0 else []
+                if not ready:  # the deadline passed: the rest count as down for this read
+                    for reply in list(replies.values()):
+                        forget(reply)
+                        self._lost(reply.node)
+                    break
+                for key, _ in ready:
+                    reply = key.data
+                    if replies.get(reply.node) is not reply or reply.node in waiting:
+                        continue  # replaced, finished or set waiting in this round
+                    try:
+                        got = reply.step(place, self.counters)
+                    except (OSError, EOFError, ProtocolError):
+                        forget(reply)
+                        again = self._lost(reply.node, reply, deadline)
+                        if again is not None:
+                            replies[again.node] = again
+                            listen(again)
+                        keep_pace()
+                        continue
+                    if got:
+                        landed += got
+                        if on_shards is not None:
+                            on_shards(got)
+                    if not reply.requests:
+                        forget(reply)
+                    keep_pace()
+        for conn in self._conns.values():
+            conn.sock.setblocking(True)
+        return landed
+
+    def _open(self, node: int, requests: list[Request], deadline: float) -> _Reply | None:
+        """Send ``node`` its requests on its pooled connection, else a new one (a failed send
+        on a pooled one is worth one redial); None: it cannot be reached."""
+        frames = b"".join(frame for _, frame in requests)
+        conn = self._conns.get(node)
+        if conn is not None:
+            try:
+                conn.send(frames, deadline)
+                return _Reply(node, conn, requests, fresh=True)
+            except OSError:
+                self._drop(node)
+        try:
+            conn = self._conns[node] = Connection.dial(self.endpoints[node], self._tls, deadline)
+            conn.send(frames, deadline)
+        except (OSError, ValueError):
+            self._drop(node)
+            return None
+        return _Reply(node, conn, requests, fresh=False)
+
+    def _lost(self, node: int, reply: _Reply | None = None, deadline: float = 0.0) -> _Reply | None:
+        """``node`` failed this exchange: its connection is dropped (a late reply must not
+        reach the next request). A pooled connection that failed before its first byte is
+        dialed again once and sent what it still owes (the new reply, or None)."""
+        self._drop(node)
+        if reply is None or not reply.fresh:
+            return None
+        return self._open(node, reply.requests, deadline)
+
+    def _drop(self, node: int) -> None:
+        self.counters["node_failures"] += 1
+        conn = self._conns.pop(node, None)
+        if conn is not None:
+            conn.close()
