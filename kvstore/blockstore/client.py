@@ -126,9 +126,7 @@ class BlockStoreClient(BlockReads):
     ) -> tuple[list[BlockKey], list[BlockKey], list[BlockKey]]:
         """Steps 2-4 of the write rule for reserved keys; returns (stored, failed, the stored
         ones that are under-redundant)."""
-        stripes = [
-            self._codec.encode(payload, key) for payload, key in zip(payloads, keys, strict=True)
-        ]
+        stripes = self._codec.encode_many(payloads, keys)
         # Shards of one length (the usual batch: one block size) go to each node as one 2-D
         # array (``Stacked``: on the wire without a copy into one first), one item the node
         # checks and appends as a whole (``StorageNode.put``) instead of a Python object per
