@@ -62,6 +62,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import BlockKey, key_words
 from kvstore.pending import Pending
+from kvstore.wire import Stacked
 
 log = logging.getLogger(__name__)
 
@@ -125,55 +126,55 @@ class BlockStoreClient(BlockReads):
     ) -> tuple[list[BlockKey], list[BlockKey], list[BlockKey]]:
         """Steps 2-4 of the write rule for reserved keys; returns (stored, failed, the stored
         ones that are under-redundant)."""
-        stripes = [
-            self._codec.encode(payload, key) for payload, key in zip(payloads, keys, strict=True)
-        ]
+        stripes = self._codec.encode_many(payloads, keys)
+        # Shards of one length (the usual batch: one block size) go to each node as one 2-D
+        # array (``Stacked``: on the wire without a copy into one first), one item the node
+        # checks and appends as a whole (``StorageNode.put``) instead of a Python object per
+        # shard on both sides; mixed lengths go as a list.
+        uniform = len({len(stripe[0]) for stripe in stripes}) == 1
         sizes = [int(np.asarray(_flat(payload)).size) for payload in payloads]
         created = self._clock.now()
-        todo = list(range(len(keys)))
+        todo = np.arange(len(keys))
         # Which node holds which shard of each block, acknowledged: shard index -> node, -1 =
         # none. A node keeps one pending shard per key and writer (a retried put replaces it,
         # maybe with another index), so each put's outcome first clears what the node held.
         held = np.full((len(keys), self._width), -1, dtype=np.int32)
         for _attempt in range(2):  # a node failing mid-put: re-place on the others once
             nodes = self._write_nodes()
-            if len(nodes) < self.config.write_quorum or not todo:
+            if len(nodes) < self.config.write_quorum or not todo.size:
                 break
-            placements = self._placements([keys[i] for i in todo], nodes)
-            per_node: dict[int, list[tuple[int, int]]] = defaultdict(list)
-            for row, position in enumerate(todo):
-                for index, node in enumerate(placements[row]):
-                    if node >= 0:  # an index past the write nodes is not written
-                        per_node[int(node)].append((position, index))
+            placements = self._placements([keys[i] for i in todo.tolist()], nodes)
             tickets = {}
-            for node, items in per_node.items():
+            # An index past the write nodes is -1: not written.
+            for node, (rows, indices) in _by_node(placements).items():
+                positions = todo[rows]
+                shards = [
+                    stripes[p][i] for p, i in zip(positions.tolist(), indices.tolist(), strict=True)
+                ]
                 ticket = self._fanout.submit(
                     node_target(node),
                     StorageNodeCalls.put,
                     token,
-                    [keys[p] for p, _ in items],
-                    [stripes[p][i] for p, i in items],
-                    [class_id] * len(items),
-                    [created] * len(items),
+                    [keys[p] for p in positions.tolist()],
+                    Stacked(shards) if uniform else shards,
+                    [class_id] * len(shards),
+                    [created] * len(shards),
                 )
-                tickets[ticket] = (node, items, time.monotonic())
-            short: set[int] = set()  # blocks with a put not acknowledged in this attempt
+                tickets[ticket] = (node, positions, indices, time.monotonic())
+            short = np.zeros(len(keys), bool)  # blocks with a put not acknowledged this attempt
             for ticket, outcome in self._gather(tickets, self.config.call_timeout_s).items():
-                node, items, started = tickets[ticket]
+                node, positions, indices, started = tickets[ticket]
                 if isinstance(outcome, NodeUnavailable):
                     self._note_unavailable(node, outcome, time.monotonic() - started)
-                    acks = [False] * len(items)
+                    acks = np.zeros(len(positions), bool)
                 else:
                     self._mark_ok(node, time.monotonic() - started)
-                    acks = outcome
-                for (position, index), ok in zip(items, acks, strict=True):
-                    row = held[position]
-                    row[row == node] = -1  # replaced, or in doubt when the call failed
-                    if ok:
-                        row[index] = node
-                    else:
-                        short.add(position)
-            todo = [position for position in todo if position in short]
+                    acks = _acks(outcome, len(positions))
+                rows = held[positions]
+                held[positions] = np.where(rows == node, -1, rows)  # replaced, or in doubt
+                held[positions[acks], indices[acks]] = node
+                short[positions[~acks]] = True
+            todo = todo[short[todo]]
         enough = (held >= 0).sum(axis=1) >= self.config.write_quorum
         written = {int(p): held[p] for p in np.flatnonzero(enough)}
         committed = self._commit_on_nodes(keys, written, token)
@@ -211,32 +212,30 @@ class BlockStoreClient(BlockReads):
         """Step 3: commit marks; returns the blocks with at least ``min_write_shards`` of them
         acknowledged, each placement keeping only its acknowledged shards (the others stay
         pending or unreferenced on their nodes: orphans, reclaimed after the grace period)."""
-        per_node: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        for position, placement in written.items():
-            for index, node in enumerate(placement):
-                if node >= 0:
-                    per_node[int(node)].append((position, index))
-        tickets = {
-            self._fanout.submit(
-                node_target(node), StorageNodeCalls.commit, token, [keys[p] for p, _ in items]
-            ): (node, items)
-            for node, items in per_node.items()
-        }
-        marked = {position: np.full(self._width, -1, np.int32) for position in written}
+        if not written:
+            return {}
+        positions = np.fromiter(written, np.int64, len(written))
+        placements = np.stack([written[p] for p in positions.tolist()])
+        tickets = {}
+        for node, (rows, indices) in _by_node(placements).items():
+            ticket = self._fanout.submit(
+                node_target(node),
+                StorageNodeCalls.commit,
+                token,
+                [keys[p] for p in positions[rows].tolist()],
+            )
+            tickets[ticket] = (node, rows, indices)
+        marked = np.full(placements.shape, -1, np.int32)
         sent = time.monotonic()
         for ticket, outcome in self._gather(tickets, self.config.call_timeout_s).items():
-            node, items = tickets[ticket]
+            node, rows, indices = tickets[ticket]
             if isinstance(outcome, NodeUnavailable):
                 self._note_unavailable(node, outcome, time.monotonic() - sent)
                 continue
-            for (position, index), ok in zip(items, outcome, strict=True):
-                if ok:
-                    marked[position][index] = node
-        return {
-            p: placement
-            for p, placement in marked.items()
-            if int((placement >= 0).sum()) >= self.config.write_quorum
-        }
+            acks = _acks(outcome, len(rows))
+            marked[rows[acks], indices[acks]] = node
+        enough = (marked >= 0).sum(axis=1) >= self.config.write_quorum
+        return {int(positions[r]): marked[r] for r in np.flatnonzero(enough).tolist()}
 
     def _commit_in_meta(
         self,
@@ -479,6 +478,24 @@ class BlockStoreClient(BlockReads):
         }
         if wait:
             self._gather(tickets, self.config.call_timeout_s)
+
+
+def _by_node(placements: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Each node of ``placements`` ((n, width), -1 = no node) -> the rows and shard indices it
+    holds, rows ascending: a few array passes a node instead of a Python step a shard."""
+    out = {}
+    for node in np.unique(placements[placements >= 0]).tolist():
+        rows, indices = np.nonzero(placements == node)
+        out[int(node)] = (rows, indices)
+    return out
+
+
+def _acks(outcome: Any, count: int) -> np.ndarray:
+    """A node's answer to a call about ``count`` shards, one bool each."""
+    acks = np.asarray(outcome, bool)
+    if acks.shape != (count,):
+        raise ValueError(f"a node answered {acks.shape} for {count} shards")
+    return acks
 
 
 def _flat(payload: object) -> memoryview:

@@ -76,10 +76,11 @@ from kvstore.blockstore.segments import (
 )
 from kvstore.blockstore.shardindex import ShardIndex
 from kvstore.clock import Clock, SystemClock
-from kvstore.ec.shard import parse_shard
+from kvstore.ec.shard import ShardHeader, parse_rows, parse_shard
 from kvstore.errors import ConfigError, CorruptShard, InvalidArgument, NodeDraining, StoreError
 from kvstore.keys import KEY_BYTES, BlockKey, check_key
 from kvstore.privatefs import PrivateDir
+from kvstore.wire import Stacked
 
 if TYPE_CHECKING:
     from kvstore.blockstore.calls import StorageNodeCalls
@@ -267,6 +268,8 @@ class StorageNode:
         with ``NodeDraining`` (the writer places the shards elsewhere).
         """
         count = len(keys)
+        if isinstance(shards, Stacked):  # a client's batch not sent over the wire
+            shards = shards.array()  # type: ignore[assignment]  # its rows, as one array
         for name, values in (("shards", shards), ("class_ids", class_ids), ("created", created)):
             if len(values) != count:
                 raise InvalidArgument(name, f"has {len(values)} entries for {count} keys")
@@ -277,37 +280,15 @@ class StorageNode:
                 "(it still serves reads, commits and deletes)"
             )
         now = self._clock.now()
-        room = self._room()
-        positions: list[int] = []
-        indices: list[int] = []
-        digests: list[int] = []
-        lengths: list[int] = []
-        payload_lens: list[int] = []
-        size = 0
-        for position, (key, shard) in enumerate(zip(keys, shards, strict=True)):
-            key = check_key(key)
-            try:
-                parsed = parse_shard(shard)
-                if parsed.key != key:
-                    raise CorruptShard(f"shard belongs to another block than {key.hex()[:16]}")
-            except CorruptShard as error:
-                log.warning("node %d: refusing shard: %s", self.node_id, error)
-                continue
-            record = RECORD_BYTES + parsed.shard_len
-            if size + record > room:
-                continue
-            size += record
-            positions.append(position)
-            indices.append(parsed.index)
-            lengths.append(parsed.shard_len)
-            payload_lens.append(parsed.payload_len)
-            digests.append(parsed.payload_hash)
+        positions, indices, lengths, payload_lens, digests = self._accepted(keys, shards)
         results = [False] * count
         self._counters["put_refused"] += count - len(positions)
         if not positions:
             return results
         chosen = [bytes(keys[p]) for p in positions]
-        bodies = [shards[p] for p in positions]
+        # A whole 2-D batch goes to the log as it is (its headers' fields cut out at once).
+        whole = isinstance(shards, np.ndarray) and len(positions) == count
+        bodies = shards if whole else [shards[p] for p in positions]
         born = np.asarray(created, np.float64)[positions]
         kinds = np.asarray(class_ids, np.int64)[positions]
         first_lsn = self._log.take_lsns(len(positions))
@@ -340,13 +321,69 @@ class StorageNode:
             stamp=now,
             lsn=np.arange(first_lsn, first_lsn + len(chosen), dtype=np.uint64),
             payload_len=payload_lens,
-            payload_hash=[_raw_word(d) for d in digests],
+            payload_hash=digests,
         )
         for position in positions:
             results[position] = True
         self._counters["puts"] += len(chosen)
-        self._counters["bytes_written"] += size
+        self._counters["bytes_written"] += len(chosen) * RECORD_BYTES + sum(lengths)
         return results
+
+    def _accepted(
+        self, keys: Sequence[bytes], shards: Sequence[np.ndarray]
+    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """The shards of a put this node takes, in order: (positions, stripe indices, shard
+        lengths, payload lengths, payload hashes as the index keeps them). Refused: a shard
+        that fails its checksum or is another block's (logged), and what does not fit."""
+        room = self._room()
+        if isinstance(shards, np.ndarray) and shards.ndim == 2 and len(keys) == len(shards):
+            # The client's batch: one array, checked as a whole (``parse_rows``).
+            words = np.frombuffer(b"".join([check_key(key) for key in keys]), np.uint8)
+            parsed = parse_rows(np.ascontiguousarray(shards), words.reshape(len(keys), 32))
+            for position in np.flatnonzero(~parsed.ok).tolist():
+                self._refuse(keys[position], shards[position])
+            record = RECORD_BYTES + shards.shape[1]
+            fits = max(0, room) // record
+            chosen = np.flatnonzero(parsed.ok)[:fits]
+            return (
+                chosen.tolist(),
+                parsed.index[chosen].tolist(),
+                [shards.shape[1]] * len(chosen),
+                parsed.payload_len[chosen].tolist(),
+                parsed.payload_hash_raw[chosen].tolist(),
+            )
+        positions: list[int] = []
+        indices: list[int] = []
+        digests: list[int] = []
+        lengths: list[int] = []
+        payload_lens: list[int] = []
+        size = 0
+        for position, (key, shard) in enumerate(zip(keys, shards, strict=True)):
+            parsed_one = self._refuse(key, shard)
+            if parsed_one is None:
+                continue
+            record = RECORD_BYTES + parsed_one.shard_len
+            if size + record > room:
+                continue
+            size += record
+            positions.append(position)
+            indices.append(parsed_one.index)
+            lengths.append(parsed_one.shard_len)
+            payload_lens.append(parsed_one.payload_len)
+            digests.append(_raw_word(parsed_one.payload_hash))
+        return positions, indices, lengths, payload_lens, digests
+
+    def _refuse(self, key: bytes, shard: np.ndarray) -> ShardHeader | None:
+        """The header of ``shard`` if it is whole and ``key``'s; else None, the reason logged."""
+        key = check_key(key)
+        try:
+            parsed = parse_shard(shard)
+            if parsed.key != key:
+                raise CorruptShard(f"shard belongs to another block than {key.hex()[:16]}")
+        except CorruptShard as error:
+            log.warning("node %d: refusing shard: %s", self.node_id, error)
+            return None
+        return parsed
 
     def _room(self) -> int:
         """Bytes this node may still add: up to its set capacity, which counts what the blocks

@@ -89,12 +89,23 @@ class ShardIndex:
         set from ``values`` (per row or one). A pending shard of the same key and token (a
         retried put) is dropped. Returns the rows."""
         rows = self._add_many(len(keys), **values)
+        pending = self._pending
         for key, row in zip(keys, rows, strict=True):
-            previous = self._pending.pop((key, token), None)
+            previous = pending.pop((key, token), None)
             if previous is not None:
                 self._drop(previous)
-            self._pending[(key, token)] = row
-            self._count(row, 1)
+            pending[(key, token)] = row
+        # Counted in per segment at once (a batch is one append: one segment), not a row at a
+        # time; the order against the drops above does not change the sums.
+        at = np.asarray(rows, np.int64)
+        seqs = self._columns["seg"][at]
+        sizes = self._columns["body_len"][at].astype(np.int64) + RECORD_BYTES
+        for seq in np.unique(seqs).tolist():
+            live = self._live.get(seq, 0) + int(sizes[seqs == seq].sum())
+            if live:
+                self._live[seq] = live
+            else:
+                self._live.pop(seq, None)
         return rows
 
     def commit(self, key: bytes, token: int) -> bool:

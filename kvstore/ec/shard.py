@@ -281,3 +281,53 @@ __all__ = [
     "shard_length",
     "writes_by_payload",
 ]
+
+
+@dataclass(frozen=True)
+class ShardRows:
+    """What ``parse_rows`` found in a batch of shards: per row whether it passed, and the
+    fields of its header as arrays (meaningful where it passed)."""
+
+    ok: np.ndarray  # bool
+    index: np.ndarray  # stripe position
+    payload_len: np.ndarray
+    #: The payload hash's 8 bytes read as a little-endian word (as a node's index keeps it).
+    payload_hash_raw: np.ndarray
+
+
+def parse_rows(rows: np.ndarray, keys: np.ndarray) -> ShardRows:
+    """``parse_shard`` of every row of ``rows`` ((n, L) uint8, C-contiguous: n shards of one
+    length L) at once, and whether each belongs to the key of its row of ``keys`` ((n, 32)
+    uint8). The checks are ``parse_shard``'s (magic, version, geometry, length, checksum over
+    [8, L)), run as array passes and one hash call a row: a storage node takes a batch of
+    shards without a Python object per shard. A row that fails is not ok; ``parse_shard`` on it
+    says why."""
+    n, length = rows.shape
+    if length < HEADER_BYTES or not rows.flags.c_contiguous or rows.dtype != np.uint8:
+        raise InvalidArgument("shards", "must be C-contiguous uint8 rows of a whole header")
+    head = rows[:, :HEADER_BYTES]
+    index = head[:, INDEX_OFFSET].astype(np.int64)
+    k = head[:, 14].astype(np.int64)
+    m = head[:, 15].astype(np.int64)
+    payload_len = np.ascontiguousarray(head[:, 16:24]).view("<u8").reshape(n)
+    ok = (head[:, _MAGIC] == np.frombuffer(MAGIC, np.uint8)).all(axis=1)
+    ok &= head[:, _VERSION_OFFSET] == VERSION
+    ok &= (k >= 1) & (m >= 1) & (k + m <= MAX_SHARDS) & (index < k + m)
+    # fragment_length, per row; a length no fragment of L bytes can hold is refused first, so
+    # the arithmetic stays in int64.
+    ok &= payload_len <= np.uint64(length) * np.maximum(k, 1).astype(np.uint64)
+    sized = np.where(ok, payload_len, 0).astype(np.int64)
+    per_shard = -(-sized // np.maximum(k, 1))
+    fragment = np.maximum(FRAGMENT_ALIGN, -(-per_shard // FRAGMENT_ALIGN) * FRAGMENT_ALIGN)
+    ok &= fragment == length - HEADER_BYTES
+    ok &= (head[:, 32:HEADER_BYTES] == keys).all(axis=1)
+    flat = memoryview(rows.reshape(-1))  # type: ignore[arg-type]
+    sums = b"".join(
+        [
+            xxhash.xxh3_64_digest(flat[start + CHECKED_FROM : start + length])
+            for start in range(0, n * length, length)
+        ]
+    )
+    ok &= (np.frombuffer(sums, np.uint8).reshape(n, 8) == head[:, SUM]).all(axis=1)
+    payload_hash_raw = np.ascontiguousarray(head[:, PAYLOAD_HASH]).view("<u8").reshape(n)
+    return ShardRows(ok, index, payload_len, payload_hash_raw)

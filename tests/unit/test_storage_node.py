@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvstore.blockstore.config import StorageNodeConfig
 from kvstore.blockstore.node import StorageNode, split_shards
@@ -224,7 +225,8 @@ def test_a_corrupt_shard_body_in_a_sealed_segment_is_a_miss_after_scrub(tmp_path
     assert _reopen(node, tmp_path).holds([_key(0), _key(1)]) == [False, True]  # stays out
 
 
-def test_bad_shards_and_full_nodes_are_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("batch", ["list", "array"])
+def test_bad_shards_and_full_nodes_are_refused(tmp_path: Path, batch: str) -> None:
     key, _, shards = _block(1)
     other, _, other_shards = _block(2)
     record = RECORD_BYTES + CODEC.shard_length(4000)
@@ -232,13 +234,39 @@ def test_bad_shards_and_full_nodes_are_refused(tmp_path: Path) -> None:
     node = StorageNode(0, tmp_path, StorageNodeConfig(capacity_bytes=capacity))
     flipped = shards[0].copy()
     flipped[100] ^= 1
+    rows = [flipped, other_shards[0], other_shards[0]]
     results = node.put(
-        1, [key, key, other], [flipped, other_shards[0], other_shards[0]], [0] * 3, [0.0] * 3
+        1, [key, key, other], np.stack(rows) if batch == "array" else rows, [0] * 3, [0.0] * 3
     )
     assert results == [False, False, True]  # corrupt; belongs to another key; fits
     assert node.put(2, [other], [other_shards[1]], [0], [0.0]) == [False]  # full
     with pytest.raises(InvalidArgument, match="shards"):
         node.put(3, [key], [], [], [])
+
+
+@pytest.mark.parametrize("fsync", ["never", "batch"])
+def test_a_batch_as_one_array_stores_what_a_list_stores(tmp_path: Path, fsync: str) -> None:
+    """The client's form of a put (one 2-D array of the node's shards, checked as a whole):
+    every damaged header field or body refuses its shard alone, and the rest are stored and
+    served byte for byte, after a restart too."""
+    blocks = [_block(i) for i in range(8)]
+    keys = [b[0] for b in blocks]
+    rows = np.stack([b[2][i % 12] for i, b in enumerate(blocks)])
+    # Row -> byte flipped: magic, index, version, k, payload length, key (each checksummed
+    # again, so the field's own check must refuse it), and a fragment byte (checksum only).
+    damage = {1: 8, 2: 12, 3: 13, 4: 14, 5: 20, 6: 40, 7: 500}
+    for row, at in damage.items():
+        rows[row, at] ^= 0x41
+        if row != 7:
+            rows[row, :8] = np.frombuffer(xxhash.xxh3_64_digest(rows[row, 8:]), np.uint8)
+    node = StorageNode(0, tmp_path, StorageNodeConfig(fsync=fsync))
+    assert node.put(9, keys, rows, [1] * 8, [0.0] * 8) == [True] + [False] * 7
+    assert node.commit(9, keys) == [True] + [False] * 7
+    assert node.stats()["put_refused"] == 7
+    node = _reopen(node, tmp_path, StorageNodeConfig(fsync=fsync))
+    got = _shards(node, keys)
+    assert got[0] is not None and np.array_equal(got[0], blocks[0][2][0])
+    assert got[1:] == [None] * 7
 
 
 def test_delete_respects_not_after_and_survives_restart(tmp_path: Path) -> None:
