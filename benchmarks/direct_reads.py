@@ -9,6 +9,10 @@ run, in alternating order:
   engine read socket asked for its shards, received straight into one staging buffer
   (``DirectReader.read_into``; the capability minted from the lease, as the tier would at
   grant: minting is timed apart);
+- direct, by layer: the same read into a layer-major staging region (``--layers`` equal
+  slices of each block, as the engine's staging lays a load out: ``Spread``) with the data
+  shards asked stripe position by position and the progress handed on (``on_prefix``), as the
+  fetcher does to publish each layer as it arrives; it also reports when layer 0 was in place;
 - get_blocks: the existing client read with the lease, as the gateway does before it streams
   the blocks back (arrays in the client's arena);
 - get_blocks + copy: the same, then each block copied into a staging buffer (what an engine
@@ -19,7 +23,8 @@ timed). GB/s is payload bytes (10^9) over wall seconds; medians over ``--runs`` 
 warm-up each). The issue's target: >= 1 GB/s into staging by the direct path. The machine is
 shared: compare the rows of one run.
 
-    python3 benchmarks/direct_reads.py [--blocks 774] [--block-kib 128] [--runs 5] [--json]
+    python3 benchmarks/direct_reads.py [--blocks 774] [--block-kib 128] [--layers 8] [--runs 5]
+        [--json]
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore.blockstore.capability import mint_for_lease  # noqa: E402
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig  # noqa: E402
-from kvstore.blockstore.direct import DirectReader  # noqa: E402
+from kvstore.blockstore.direct import DirectReader, Spread  # noqa: E402
 from kvstore.runtime.cluster import LocalClusterConfig, connect  # noqa: E402
 
 
@@ -51,12 +56,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=774)
     parser.add_argument("--block-kib", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=8, help="slices of a block (by layer)")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per path (>= 3)")
     parser.add_argument("--data-root", default=None, help="where the nodes' data dirs go")
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
     args = parser.parse_args(argv)
     if args.runs < 3:
         parser.error("--runs: at least 3 (medians)")
+    if args.layers < 1 or (args.block_kib * 1024) % args.layers:
+        parser.error("--layers: at least 1, and a divisor of the block's bytes")
     return args
 
 
@@ -86,10 +94,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         read_key = handles.read_key()  # this process is the tier here: it mints
         reader = DirectReader(handles.read_endpoints(), config.data_shards, config.parity_shards)
         staging = np.zeros(args.blocks * size, np.uint8)
-        seconds: dict[str, list[float]] = {"direct": [], "get_blocks": [], "get_blocks + copy": []}
+        names = ("direct", "direct, by layer", "get_blocks", "get_blocks + copy")
+        seconds: dict[str, list[float]] = {name: [] for name in names}
         mint_s: list[float] = []
+        first_layer_s: list[float] = []
+        # Layer-major: layer i's slice of every block, block after block (the engine's staging).
+        slice_bytes = size // args.layers
+        spread = Spread(
+            tuple(
+                (i * slice_bytes, slice_bytes, i * slice_bytes * args.blocks)
+                for i in range(args.layers)
+            ),
+            tuple(range(args.blocks)),
+        )
+        layer_major = expected.reshape(args.blocks, args.layers, slice_bytes).transpose(1, 0, 2)
+        layer_major = np.ascontiguousarray(layer_major).reshape(-1)
 
-        def direct() -> float:
+        def direct(by_layer: bool) -> float:
             staging[:] = 0
             found = client.lookup(keys)
             assert found.lease is not None and found.hit_blocks == len(keys)
@@ -97,11 +118,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             capability = mint_for_lease(read_key, found.lease, "bench")
             mint_s.append(time.perf_counter() - began)
             blocks = list(found.lease.blocks)
+            first: list[float] = []
+
+            def on_prefix(nbytes: int, whole: np.ndarray) -> bool:
+                if not first and nbytes >= slice_bytes and whole.all():
+                    first.append(time.perf_counter() - began)
+                return True
+
             began = time.perf_counter()
-            ok = reader.read_into(capability, blocks, staging)
+            if by_layer:
+                ok = reader.read_into(
+                    capability, blocks, staging, spread=spread, on_prefix=on_prefix
+                )
+            else:
+                ok = reader.read_into(capability, blocks, staging)
             took = time.perf_counter() - began
             client.release(found.lease)
-            assert all(ok) and np.array_equal(staging, expected), "direct: not bit-exact"
+            want = layer_major if by_layer else expected
+            assert all(ok) and np.array_equal(staging, want), "direct: not bit-exact"
+            first_layer_s.extend(first)
             return took
 
         def gateway(copy: bool) -> float:
@@ -126,13 +161,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return took
 
         paths = {
-            "direct": direct,
+            "direct": lambda: direct(False),
+            "direct, by layer": lambda: direct(True),
             "get_blocks": lambda: gateway(False),
             "get_blocks + copy": lambda: gateway(True),
         }
         for measure in paths.values():  # warm-up: connections, pages, caches
             measure()
         mint_s.clear()
+        first_layer_s.clear()
         order = list(paths)
         for turn in range(args.runs):
             for name in order if turn % 2 == 0 else reversed(order):
@@ -159,6 +196,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             },
             "rows": rows,
             "mint_ms_median": 1000 * statistics.median(mint_s),
+            "first_layer_ms_median": 1000 * statistics.median(first_layer_s),
+            "layers": args.layers,
             "reader": dict(reader.counters),
         }
     finally:
@@ -186,6 +225,11 @@ def table(results: dict[str, Any]) -> str:
         f"direct / get_blocks: {direct / relayed:.2f}x; minting the capability: "
         f"{results['mint_ms_median']:.1f} ms (median); target >= 1 GB/s direct: "
         f"{'met' if direct >= 1.0 else 'missed'}"
+    )
+    by_layer = results["rows"]["direct, by layer"]
+    lines.append(
+        f"direct, by layer: layer 0 of {results['layers']} in place after "
+        f"{results['first_layer_ms_median']:.1f} ms of {by_layer['median_ms']:.1f} ms (medians)"
     )
     return "\n".join(lines)
 
