@@ -22,11 +22,11 @@ class Clock:
 def test_the_median_of_recent_reports_per_tenant_and_layout() -> None:
     rates = PrefillRates(samples=3, clock=Clock())
     assert rates.rate("t", A) == 0.0
-    for rate in (1000.0, 9000.0, 2000.0):
+    for rate in (1000.0, 2000.0, 9000.0):
         rates.report("t", A, rate)
     assert rates.rate("t", A) == 2000.0  # one odd engine does not swing it
     rates.report("t", A, 0.0)  # an engine without a figure: nothing kept
-    rates.report("t", A, 3000.0)  # the oldest (1000) drops out of the last three
+    rates.report("t", A, 3000.0)  # the oldest (1000) drops out of the last three: 2000, 9000, 3000
     assert rates.rate("t", A) == 3000.0
     assert rates.rate("t", B) == 0.0 and rates.rate("u", A) == 0.0
 

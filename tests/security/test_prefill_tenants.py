@@ -42,7 +42,7 @@ def test_a_layouts_prefill_rate_reaches_the_next_engine_of_its_tenant_only(
     tenants: Tenants,
 ) -> None:
     assert ask(tenants, "alice", MODEL) == 0.0  # nobody reported yet
-    for rate in (3000.0, 5000.0, 4000.0):  # engines of alice's fleet, each with its figure
+    for rate in (3000.0, 4000.0, 5000.0):  # engines of alice's fleet, each with its figure
         ask(tenants, "alice", MODEL, rate)
     assert ask(tenants, "alice", MODEL) == 4000.0  # the median; a fresh engine reports 0
     assert ask(tenants, "alice", OTHER) == 0.0  # another model: not its figure
