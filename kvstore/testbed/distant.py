@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from types import TracebackType
+from typing import Any
 
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.runtime.upprocess import TierProcess
@@ -88,16 +90,15 @@ class DistantTier:
             left = self.network.destroy()
         return left
 
-    def __enter__(self) -> DistantTier:
-        return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
+@contextmanager
+def distant_tier(data_dir: Path, **options: Any) -> Iterator[DistantTier]:
+    """``DistantTier.start(data_dir, **options)``, stopped on the way out."""
+    distant = DistantTier.start(data_dir, **options)
+    try:
+        yield distant
+    finally:
+        distant.stop()
 
 
 def shape(network: Network, bytes_per_s: float | None) -> None:
