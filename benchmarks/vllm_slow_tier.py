@@ -89,14 +89,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
-    if args.runs < 3:
-        parser.error("--runs must be at least 3 (medians)")
-    if args.requests < 1:
-        parser.error("--requests must be at least 1")
-    if args.tokens < 1024:
-        parser.error("--tokens must be at least 1024")
-    if not args.mbytes_per_s > 0:
-        parser.error("--mbytes-per-s must be > 0")
+    for wrong, why in (
+        (args.runs < 3, "--runs must be at least 3 (medians)"),
+        (args.requests < 1, "--requests must be at least 1"),
+        (args.tokens < 1024, "--tokens must be at least 1024"),
+        (not args.mbytes_per_s > 0, "--mbytes-per-s must be > 0"),
+    ):
+        if wrong:
+            parser.error(why)
     return args
 
 
