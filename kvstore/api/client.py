@@ -165,6 +165,7 @@ class KVStoreClient:
             take_lease=hit.take_lease,
             layout=self._layout if hit.layout is None else _layout_message(hit.layout),
             direct=hit.direct,
+            prefill_tokens_per_s=hit.prefill_tokens_per_s,
         )
         reply = self._stub.QueryHit(request, **self._kw())
         plan = reply.plan
@@ -191,6 +192,7 @@ class KVStoreClient:
             if reply.hit_block_keys_packed
             else tuple(BlockKey(key) for key in reply.hit_block_keys),
             direct=_direct_grant(reply.direct) if reply.HasField("direct") else None,
+            prefill_tokens_per_s=reply.prefill_tokens_per_s,
         )
 
     def put_blocks(

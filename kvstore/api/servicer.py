@@ -40,6 +40,7 @@ from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import ConfigError, InvalidArgument, KVStoreError, Overloaded, grpc_status_name
 from kvstore.keys import BLOCK_TOKENS, KEY_BYTES, BlockKey, key_words
 from kvstore.tenants import RateLimiter, Tenant
+from kvstore.tier.prefill import PrefillRates
 from kvstore.tier.records import MAX_CLASS_CHARS, DirectGrant, HitRequest, Layout
 from kvstore.tier.tenancy import TenantView, TenantViews
 
@@ -253,6 +254,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._tenant_in_flight: Counter[str] = Counter()
         self._stats: dict[str, CachedStats] = {}
         self._metrics = metrics
+        #: Engines' prefill rates per tenant and layout, answered to engines without their own.
+        self._prefill = PrefillRates()
 
     @property
     def limits(self) -> GatewayLimits:
@@ -358,9 +361,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def _answer_hit(self, call: _Call, hit: HitRequest, packed: bool, context: Any) -> Any:
         view = call.view
         tokens = hit.token_ids
+        fingerprint = view.layout(hit.layout).fingerprint
+        self._prefill.report(call.tenant.name, fingerprint, hit.prefill_tokens_per_s)
         if tokens is not None:
             # Hashed here, once, under the layout's fingerprint; long prompts in the pool.
-            fingerprint = view.layout(hit.layout).fingerprint
             words = await self._run(
                 call,
                 context,
@@ -397,6 +401,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             hit_block_keys=() if packed else list(answer.hit_block_keys),
             hit_block_keys_packed=answer.hit_keys_packed if packed else b"",
             direct=None if answer.direct is None else _direct_message(answer.direct),
+            prefill_tokens_per_s=self._prefill.rate(call.tenant.name, fingerprint),
         )
 
     def _hit_request(self, request: Any) -> HitRequest:
@@ -442,6 +447,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             take_lease=request.take_lease,
             layout=_layout(request, self._limits),
             direct=request.direct and request.take_lease,
+            prefill_tokens_per_s=request.prefill_tokens_per_s,
         )
 
     async def PutBlocks(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:

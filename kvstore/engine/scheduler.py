@@ -93,6 +93,7 @@ class PagedScheduler:
         reads_end_leases: bool = True,
         worth: LoadWorth | None = None,
         block_bytes: int = 0,
+        probe: Callable[[HitAnswer, float], tuple[int, float] | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``groups``: the engine's KV-cache groups (None: one full-attention group).
@@ -100,7 +101,10 @@ class PagedScheduler:
         does); False for a tier whose leases only this process can end (an in-cluster
         ``ClusterTier``: the fetcher reads with the id unknown), so the scheduler ends each
         load's lease when it plans the step after it. ``worth``: judges whether a hit is
-        faster to load than to compute (``block_bytes`` a block; None: always load)."""
+        faster to load than to compute (``block_bytes`` a block; None: always load).
+        ``probe``: reads part of a hit over the load path within a budget of seconds and says
+        (bytes, seconds), or None when it could not (``kvstore.engine.probe``); asked while
+        ``worth`` has no load figure (a fresh engine), so its first hit is judged too."""
         self._hits = hits
         self._reads_end_leases = reads_end_leases
         self._sent_leases: list[str] = []
@@ -120,6 +124,7 @@ class PagedScheduler:
         self._next = StepPlan()
         self.worth = worth
         self._block_bytes = block_bytes
+        self._probe = probe
         self.lookups = 0
         self.lookup_failures = 0
         #: Hits turned down because computing them was judged faster than loading them.
@@ -141,6 +146,8 @@ class PagedScheduler:
             return tracked.answer
         answer = None
         full = (len(prompt) - 1) // BLOCK_TOKENS  # ≥ 1 token is always computed
+        # What this engine measured of its prefill: the tier answers it to fresh engines.
+        rate = 0.0 if self.worth is None else self.worth.prefill_rate()
         if self._load and full > 0 and self._clock() >= self._down_until:
             self.lookups += 1
             try:
@@ -154,6 +161,7 @@ class PagedScheduler:
                         # The lease's read grant, where the tier gives one: the fetcher reads
                         # the blocks from the storage nodes instead of through the gateway.
                         direct=True,
+                        prefill_tokens_per_s=rate,
                     )
                 )
             except Exception as error:  # noqa: BLE001 - a tier that does not answer is a miss
@@ -192,15 +200,27 @@ class PagedScheduler:
         tracked.computed = num_computed_tokens
         extra = max(hit - num_computed_tokens, 0)
         if extra and not self._worth_loading(request_id, tracked, extra):
-            return 0  # the engine computes it; ``allocated`` with 0 gives the lease back
+            # The engine computes it; ``allocated`` with 0 gives the lease back. The tier has
+            # those blocks already: they are not saved again (on a slow link, twice the cost).
+            tracked.saved_blocks = max(tracked.saved_blocks, hit // BLOCK_TOKENS)
+            return 0
         return extra
 
     def _worth_loading(self, request_id: str, tracked: _Tracked, tokens: int) -> bool:
         """Whether loading ``tokens`` of hit beats computing them (judged once a request)."""
-        if self.worth is None:
+        worth = self.worth
+        if worth is None:
             return True
         if tracked.verdict is None:
-            tracked.verdict = self.worth.verdict(tokens, tokens // BLOCK_TOKENS * self._block_bytes)
+            answer = tracked.answer
+            prior = 0.0 if answer is None else answer.prefill_tokens_per_s
+            budget = worth.probe_budget(prior)
+            if self._probe is not None and answer is not None and budget is not None:
+                probed = self._probe(answer, budget)
+                if probed is not None:
+                    worth.probed(*probed)
+            nbytes = tokens // BLOCK_TOKENS * self._block_bytes
+            tracked.verdict = worth.verdict(tokens, nbytes, prior)
             if not tracked.verdict.load:
                 self.recomputed += 1
             if tracked.verdict.load == self._recomputing:

@@ -31,8 +31,11 @@ of kvstore that imports vLLM.
   asking for ``retry_after_s``); saves to it fail in the background; the engine serves on.
 - A hit is accepted only when loading it is faster than computing it, by this engine's
   measured rates (``kvstore.engine.worth``: loads timed by the worker side and reported with
-  each step's output, prefill steps timed by the scheduler side); a slow tier's hits are
-  recomputed, and the log says so. ``load_only_if_faster: false`` always loads.
+  each step's output, prefill steps timed by the scheduler side); a fresh engine, until it has
+  its own, weighs one block of the hit read over its load path (``kvstore.engine.probe``)
+  against the prefill rate the tier's answer carries for its model (what this tenant's other
+  engines reported with their lookups). A slow tier's hits are recomputed, and the log says
+  so. ``load_only_if_faster: false`` always loads.
 """
 
 from __future__ import annotations
@@ -53,8 +56,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.api.client import ClientFactory
+from kvstore.engine.directfetch import DirectBlocks
 from kvstore.engine.groups import FULL, SLIDING, CacheGroup, EngineGroups
 from kvstore.engine.plan import StepPlan, describe
+from kvstore.engine.probe import LoadProbe
 from kvstore.engine.scheduler import PagedScheduler
 from kvstore.engine.settings import ConnectorSettings, EngineLayout, engine_fingerprint
 from kvstore.engine.worker import PagedWorker
@@ -228,6 +233,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     policy,
                 )
             client = self._client(self.settings.lookup_timeout_s)()
+            worth = LoadWorth() if self.settings.load_only_if_faster else None
             self.scheduler = PagedScheduler(
                 client,
                 self.groups.group_fingerprint(fingerprint),
@@ -237,8 +243,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 retry_after_s=self.settings.retry_after_s,
                 load=self.settings.load,
                 save=self.settings.save,
-                worth=LoadWorth() if self.settings.load_only_if_faster else None,
+                worth=worth,
                 block_bytes=self.tier_layout.block_bytes,
+                # A fresh engine's first hit: one block read over the load path, timed (the
+                # fetcher's own direct reader, a short timeout: it holds the scheduler loop).
+                probe=None
+                if worth is None
+                else LoadProbe(
+                    client, self.tier_layout.block_bytes, direct=DirectBlocks(timeout_s=1.0)
+                ),
             )
             log.info(
                 "kvstore: %s, %s, %d layers (%s), %s hits; blocks of %d B%s; tier %s",

@@ -94,6 +94,17 @@ class LeaseTag:
 UNTAGGED = LeaseTag()
 
 
+def check_rate(name: str, rate: object) -> None:
+    """``InvalidArgument`` unless ``rate`` is a finite number ≥ 0 (0: not known)."""
+    if (
+        isinstance(rate, bool)
+        or not isinstance(rate, int | float | np.floating | np.integer)
+        or not math.isfinite(rate)
+        or rate < 0
+    ):
+        raise InvalidArgument(name, f"must be a finite rate ≥ 0 (0: none), got {rate!r}")
+
+
 @dataclass(frozen=True, eq=False)
 class HitRequest:
     """One prompt to plan (docs/rules.md §5): its token ids (``prompt_len`` may be left 0), or the
@@ -125,10 +136,14 @@ class HitRequest:
     #: the blocks straight from the storage nodes. Opt-in: a grant of a long prompt weighs
     #: hundreds of KB that a caller reading through ``get_blocks`` would carry for nothing.
     direct: bool = False
+    #: The asking engine's own measured prefill rate for this layout, tokens per second (0:
+    #: none yet): the tier keeps it for engines that have none (``kvstore.tier.prefill``).
+    prefill_tokens_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.token_ids is None) == (self.block_keys is None):
             raise InvalidArgument("token_ids", "give token_ids or block_keys (one of them)")
+        check_rate("prefill_tokens_per_s", self.prefill_tokens_per_s)
         if self.mode not in MODES:
             raise InvalidArgument("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
         _check_class(self.traffic_class)
@@ -280,6 +295,9 @@ class HitAnswer:
     #: With a lease asked for ``direct``ly: what reads its hit blocks from the storage nodes
     #: (None: read through ``get_blocks``; the tier has no read key, or the grant would not fit).
     direct: DirectGrant | None = None
+    #: The median prefill rate engines of this tenant reported for this layout, tokens per
+    #: second (0: none reported): a fresh engine's compute estimate (``kvstore.engine.worth``).
+    prefill_tokens_per_s: float = 0.0
 
     @property
     def hit_block_keys(self) -> tuple[BlockKey, ...]:

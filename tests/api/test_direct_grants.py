@@ -17,6 +17,8 @@ from kvstore.api.server import ServerOptions
 from kvstore.blockstore.capability import ReadCapability
 from kvstore.blockstore.direct import DirectReader
 from kvstore.blockstore.records import BlockLocation
+from kvstore.engine.directfetch import DirectBlocks
+from kvstore.engine.probe import LoadProbe
 from kvstore.keys import block_keys
 from kvstore.runtime.service import RunningService, embedded_service
 from kvstore.tier.records import DirectGrant, HitRequest
@@ -135,3 +137,32 @@ def test_no_grant_unless_asked(running: RunningService, client: KVStoreClient) -
         HitRequest(token_ids=tokens.tolist(), take_lease=False, direct=True)
     )
     assert unleased.lease_id is None and unleased.direct is None
+
+
+def test_a_load_probe_reads_one_leased_block_from_the_nodes_and_leaves_the_lease_to_the_load(
+    running: RunningService, client: KVStoreClient
+) -> None:
+    """A fresh engine's probe (``kvstore.engine.probe``) with the fetcher's own direct reader:
+    one block, from the nodes (the gateway is not asked), and the lease still serves the load
+    that follows, every block of it."""
+    tokens, keys, payloads = _stored(running, client, 51, 6)
+    answer = client.query_hit(HitRequest(token_ids=tokens.tolist(), direct=True))
+    assert answer.direct is not None and answer.lease_id
+    gateway_reads: list[int] = []
+
+    class Gateway:
+        def get_blocks(self, keys, lease_id=None, *, keep_lease=False):  # type: ignore[no-untyped-def]
+            gateway_reads.append(len(keys))
+            return client.get_blocks(keys, lease_id)
+
+    direct = DirectBlocks()
+    probe = LoadProbe(Gateway(), running.tier.block_bytes, direct=direct)  # type: ignore[arg-type]
+    try:
+        nbytes, seconds = probe(answer, 30.0) or (0, 0.0)
+    finally:
+        probe.close()
+    assert nbytes == running.tier.block_bytes and 0 < seconds < 30.0
+    assert direct.enabled and gateway_reads == []
+    found, out = _read(answer.direct)
+    assert found == [True] * len(answer.direct) and out == b"".join(payloads[: len(found)])
+    assert client.release_lease(answer.lease_id)

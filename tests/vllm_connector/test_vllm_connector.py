@@ -30,7 +30,6 @@ from vllm_harness import (  # noqa: E402
     BLOCK_BYTES,
     EXPECTED,
     PROMPTS,
-    SlowLink,
     assert_same_outputs,
     child_env,
     damage_prompts,
@@ -182,30 +181,6 @@ def test_the_openai_server_hits_on_a_repeated_completion(
             server.wait(60)
         except subprocess.TimeoutExpired:
             server.kill()
-
-
-def test_behind_a_slow_link_a_hit_is_recomputed_once_loading_is_known_to_be_slower(
-    tiny_model, running_tier, baseline, tmp_path
-) -> None:
-    """The tier behind a 250 kB/s link: a fresh engine computes two cold 1,024-token prompts
-    (its prefill rate; the first includes the engine's warm-up), loads one cached prompt (640
-    KiB: its load rate, seconds), and then recomputes the next cached prompt instead of loading
-    it, saying so; every output is still exact."""
-    link = SlowLink(running_tier.address, 250e3)
-    prompts = [tokens(1024), tokens(1024), PROMPTS[4], PROMPTS[3]]
-    try:
-        config = {**connector_config(running_tier), "address": link.address}
-        c = run_engine(tiny_model, prompts, config, tmp=tmp_path)
-    finally:
-        link.close()
-    *colds, loaded, recomputed = c["results"]
-    assert [cold["num_cached_tokens"] for cold in colds] == [0, 0]
-    assert loaded["num_cached_tokens"] == EXPECTED[4]  # loaded: the rates were not known yet
-    assert recomputed["num_cached_tokens"] == 0, "the slow tier's hit was loaded"
-    assert recomputed["worker"]["loads"] == loaded["worker"]["loads"] == 1
-    assert "recomputed instead of loaded while the tier is this slow" in c["stderr"]
-    for got, index in ((loaded, 4), (recomputed, 3)):
-        assert got["tokens"] == baseline["results"][index]["tokens"]
 
 
 def test_with_the_tier_stopped_a_fresh_engine_still_answers_with_all_misses(

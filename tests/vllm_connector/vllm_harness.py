@@ -4,7 +4,6 @@
   port 0, 127.0.0.1); no size flag: each engine's connector names its model's layout.
 - ``run_engine``: one vLLM engine in a fresh process (``python -m
   kvstore.engine.vllm_run``), its results as JSON.
-- ``SlowLink``: a rate-capped TCP relay in front of the tier (a slow or distant tier).
 
 These need vLLM (``.ci/run`` installs it in its own venv and runs ``-m vllm`` there); without
 it the test modules skip themselves.
@@ -12,9 +11,6 @@ it the test modules skip themselves.
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -171,58 +167,3 @@ def damage_prompts(tier: TierProcess, engine: dict, prompts: list[list[int]]) ->
 
 def hits(result: dict) -> list[int]:
     return [r["num_cached_tokens"] for r in result["results"]]
-
-
-class SlowLink:
-    """A TCP relay on 127.0.0.1 in front of ``address`` that sends what the server answers at
-    most ``bytes_per_s`` (a tier that is far away, or behind a thin link); what the client
-    sends passes at full speed. Every relay thread ends with its connection or ``close``."""
-
-    def __init__(self, address: str, bytes_per_s: float) -> None:
-        host, _, port = address.rpartition(":")
-        self._upstream = (host, int(port))
-        self._rate = bytes_per_s
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
-        self._closed = threading.Event()
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._server.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self._upstream)
-            self._sockets += [client, server]
-            threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
-            threading.Thread(
-                target=self._pipe, args=(server, client, self._rate), daemon=True
-            ).start()
-
-    def _pipe(self, source: socket.socket, sink: socket.socket, rate: float | None) -> None:
-        free_at = time.monotonic()  # when the link may send again (no burst saved up)
-        try:
-            while not self._closed.is_set():
-                data = source.recv(16384)
-                if not data:
-                    break
-                sink.sendall(data)
-                if rate is not None:
-                    free_at = max(free_at, time.monotonic()) + len(data) / rate
-                    self._closed.wait(max(0.0, free_at - time.monotonic()))
-        except OSError:
-            pass
-        finally:
-            for end in (source, sink):
-                try:
-                    end.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._closed.set()
-        self._server.close()
-        for sock in self._sockets:
-            sock.close()

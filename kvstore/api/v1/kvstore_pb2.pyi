@@ -40,7 +40,7 @@ class Layout(_message.Message):
     def __init__(self, fingerprint: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
 
 class QueryHitRequest(_message.Message):
-    __slots__ = ("token_ids", "block_keys", "prompt_len", "mode", "traffic_class", "take_lease", "block_keys_packed", "layout", "direct")
+    __slots__ = ("token_ids", "block_keys", "prompt_len", "mode", "traffic_class", "take_lease", "block_keys_packed", "layout", "direct", "prefill_tokens_per_s")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class QueryHitRequest(_message.Message):
     BLOCK_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     prompt_len: int
@@ -59,7 +60,8 @@ class QueryHitRequest(_message.Message):
     block_keys_packed: bytes
     layout: Layout
     direct: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_len: _Optional[int] = ..., mode: _Optional[_Union[HitMode, str]] = ..., traffic_class: _Optional[str] = ..., take_lease: _Optional[bool] = ..., block_keys_packed: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., direct: _Optional[bool] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_len: _Optional[int] = ..., mode: _Optional[_Union[HitMode, str]] = ..., traffic_class: _Optional[str] = ..., take_lease: _Optional[bool] = ..., block_keys_packed: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., direct: _Optional[bool] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class HitPlan(_message.Message):
     __slots__ = ("prompt_len", "cap", "block_hit_tokens", "hit_tokens", "swa_hit", "swa_position", "swa_owner", "replay_start", "replay_tokens", "compute_from", "store_at")
@@ -88,7 +90,7 @@ class HitPlan(_message.Message):
     def __init__(self, prompt_len: _Optional[int] = ..., cap: _Optional[int] = ..., block_hit_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., swa_hit: _Optional[bool] = ..., swa_position: _Optional[int] = ..., swa_owner: _Optional[str] = ..., replay_start: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., compute_from: _Optional[int] = ..., store_at: _Optional[int] = ...) -> None: ...
 
 class QueryHitResponse(_message.Message):
-    __slots__ = ("plan", "advice", "fetch_seconds", "replay_seconds", "lease_id", "hit_block_keys", "hit_block_keys_packed", "direct")
+    __slots__ = ("plan", "advice", "fetch_seconds", "replay_seconds", "lease_id", "hit_block_keys", "hit_block_keys_packed", "direct", "prefill_tokens_per_s")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     ADVICE_FIELD_NUMBER: _ClassVar[int]
     FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +99,7 @@ class QueryHitResponse(_message.Message):
     HIT_BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCK_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     plan: HitPlan
     advice: Advice
     fetch_seconds: float
@@ -105,7 +108,8 @@ class QueryHitResponse(_message.Message):
     hit_block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     hit_block_keys_packed: bytes
     direct: DirectRead
-    def __init__(self, plan: _Optional[_Union[HitPlan, _Mapping]] = ..., advice: _Optional[_Union[Advice, str]] = ..., fetch_seconds: _Optional[float] = ..., replay_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ..., hit_block_keys: _Optional[_Iterable[bytes]] = ..., hit_block_keys_packed: _Optional[bytes] = ..., direct: _Optional[_Union[DirectRead, _Mapping]] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    def __init__(self, plan: _Optional[_Union[HitPlan, _Mapping]] = ..., advice: _Optional[_Union[Advice, str]] = ..., fetch_seconds: _Optional[float] = ..., replay_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ..., hit_block_keys: _Optional[_Iterable[bytes]] = ..., hit_block_keys_packed: _Optional[bytes] = ..., direct: _Optional[_Union[DirectRead, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class ReadEndpoint(_message.Message):
     __slots__ = ("node_id", "host", "port")
