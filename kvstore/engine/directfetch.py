@@ -143,6 +143,24 @@ class DirectBlocks:
         )
         return ok
 
+    def read_whole(self, grant: DirectGrant, nbytes: int) -> bool | None:
+        """Read ``grant``'s blocks (each ``nbytes``) end to end into a buffer of their own:
+        whether every one came whole; None: this process reads through the gateway. What a
+        load probe times (``kvstore.engine.probe``); the bytes are dropped."""
+        reader = self._reader_for(grant)
+        if not self._decide(reader, grant):
+            return None
+        if not len(grant) or not bool((grant.sizes == nbytes).all()):
+            return False
+        try:
+            capability = ReadCapability.decode(grant.capability)
+        except CapabilityRefused as error:
+            log.warning("a load's read capability is malformed: %s", error)
+            return False
+        blocks = [BlockLocation(*block) for block in grant.blocks()]
+        out = np.empty(len(blocks) * nbytes, np.uint8)
+        return all(reader.read_into(capability, blocks, out))
+
     @property
     def counters(self) -> Mapping[str, int]:
         return {} if self._reader is None else dict(self._reader.counters)

@@ -80,10 +80,10 @@ class LoadProbe:
             return None
         start = self._clock()
         try:
-            read = direct.read(grant.part(0, 1), self._block_bytes)
+            whole = direct.read_whole(grant.part(0, 1), self._block_bytes)
         finally:
             direct.close()  # the probe is rare: no sockets held to every node meanwhile
-        if read is None or not bool(read[1][0]):
+        if not whole:
             return None  # the nodes do not answer this process: the gateway path is the one
         return self._block_bytes, self._clock() - start
 

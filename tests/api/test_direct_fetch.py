@@ -230,3 +230,22 @@ def test_the_client_reads_its_own_grant(running: RunningService) -> None:
         keys = block_keys(running.tier.model_fingerprint, np.arange(BLOCK_TOKENS * 2 + 10))
         answer = client.query_hit(HitRequest(block_keys=keys, prompt_len=2 * BLOCK_TOKENS + 10))
         assert answer.direct is None  # not asked for
+
+
+def test_a_probe_reads_one_block_of_a_grant_whole_or_says_the_nodes_are_out_of_reach(
+    factory: ClientFactory,
+) -> None:
+    """``DirectBlocks.read_whole``, what a fresh engine's load probe times: one block of the
+    grant read from the nodes; None where this process reaches no node."""
+    answer, _ = _hit(factory, 8, 3)
+    grant = answer.direct
+    assert grant is not None
+    reader = DirectBlocks(tls=None)
+    try:
+        assert reader.read_whole(grant.part(0, 1), LAYOUT.block_bytes) is True
+        assert reader.read_whole(grant.part(0, 1), LAYOUT.block_bytes + 1) is False
+    finally:
+        reader.close()
+    nowhere = DirectBlocks(tls=None)
+    closed = {node: ("127.0.0.1", 1) for node in grant.endpoints}
+    assert nowhere.read_whole(dataclasses.replace(grant, endpoints=closed), 64) is None

@@ -78,20 +78,20 @@ def test_a_miss_or_a_failing_tier_gives_no_figure(file_tier) -> None:  # noqa: F
 
 
 class Nodes:
-    """The fetcher's direct reader as the probe uses it: ``read`` (None: the nodes do not
-    answer this process) and ``close``."""
+    """The fetcher's direct reader as the probe uses it: ``read_whole`` (None: the nodes do
+    not answer this process) and ``close``."""
 
     def __init__(self, clock: Clock, reachable: bool) -> None:
         self._clock, self._reachable = clock, reachable
         self.read_blocks: list[int] = []
         self.closed = 0
 
-    def read(self, grant: DirectGrant, nbytes: int):  # type: ignore[no-untyped-def]
+    def read_whole(self, grant: DirectGrant, nbytes: int) -> bool | None:
         self.read_blocks.append(len(grant))
         if not self._reachable:
             return None
         self._clock.now += 0.01
-        return [np.zeros(nbytes, np.uint8)], np.ones(1, bool)
+        return True
 
     def close(self) -> None:
         self.closed += 1
