@@ -121,10 +121,8 @@ class DirectBlocks:
         chosen = np.flatnonzero(grant.sizes == nbytes)
         if not chosen.size:
             return ok
-        try:
-            capability = ReadCapability.decode(grant.capability)
-        except CapabilityRefused as error:
-            log.warning("a load's read capability is malformed: %s", error)
+        capability = _capability(grant)
+        if capability is None:
             return ok
         every = grant.blocks()
         blocks = [BlockLocation(*every[i]) for i in chosen.tolist()]
@@ -152,10 +150,8 @@ class DirectBlocks:
             return None
         if not len(grant) or not bool((grant.sizes == nbytes).all()):
             return False
-        try:
-            capability = ReadCapability.decode(grant.capability)
-        except CapabilityRefused as error:
-            log.warning("a load's read capability is malformed: %s", error)
+        capability = _capability(grant)
+        if capability is None:
             return False
         blocks = [BlockLocation(*block) for block in grant.blocks()]
         out = np.empty(len(blocks) * nbytes, np.uint8)
@@ -164,3 +160,12 @@ class DirectBlocks:
     @property
     def counters(self) -> Mapping[str, int]:
         return {} if self._reader is None else dict(self._reader.counters)
+
+
+def _capability(grant: DirectGrant) -> ReadCapability | None:
+    """The grant's read capability (None, said in the log: malformed, every block a miss)."""
+    try:
+        return ReadCapability.decode(grant.capability)
+    except CapabilityRefused as error:
+        log.warning("a load's read capability is malformed: %s", error)
+        return None
