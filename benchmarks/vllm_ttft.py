@@ -435,8 +435,9 @@ def report(figures: dict[str, Any]) -> None:
         f"kvstore load: {loaded / 1e6:.1f} MB ({figures['tokens_from_cache']} tokens) staged in "
         f"{staged_s:.3f} s = {figures['load_gb_per_s']:.3f} GB/s; of that, "
         f"{figures['tier_read_seconds']:.3f} s until layer 0 was staged (read straight from "
-        f"the storage nodes with the lease's read grant, layers handed on as they arrive; or "
-        f"through the gateway where the engine reaches no node, every block read first)"
+        f"the storage nodes with the lease's read grant, or through the gateway where the "
+        f"engine reaches no node; a CPU engine stages every block before layer 0, a GPU "
+        f"engine's direct read hands layers on as they arrive)"
     )
     by_group = figures["bytes_loaded_by_group"]
     sliding_layers = sum(len(layers) for kind, layers, _ in model["groups"] if kind == "sliding")

@@ -36,9 +36,6 @@ from kvstore.fastcall.tls import ClientTLS, client_context, tls_handshake
 
 #: Buffers one ``recvmsg_into`` fills at the most (IOV_MAX is 1024 on Linux).
 _MAX_PIECES = 512
-#: Bytes an exchange takes from one node before it turns to the next ready one: each node's
-#: first shards are taken before any node's last ones (the sockets may hold whole replies).
-_TURN_BYTES = 512 * 1024
 _LENGTH_BYTES = 4
 _HEAD_BYTES = _LENGTH_BYTES + proto.REPLY.size
 
@@ -159,20 +156,20 @@ class _Reply:
         self._shard_ends: list[int] = []
         self._reported = 0
 
-    def step(self, place: Place, counters: Counter[str]) -> list[Items]:
-        """Take this node's turn: what the socket holds now, up to about ``_TURN_BYTES`` of
-        shard bytes; the shards whose last byte arrived, as (blocks, indices) the caller
+    def step(self, place: Place, counters: Counter[str], limit: int | None) -> list[Items]:
+        """Take what the socket holds now, up to the last shard at stripe position ``limit``
+        (None: all of it); the shards whose last byte arrived, as (blocks, indices) the caller
         took. ``EOFError``, ``OSError``, ``ProtocolError``: the node failed."""
         landed: list[Items] = []
-        turn = _TURN_BYTES
-        while self.requests and turn > 0:
+        while self.requests:
+            room = self._room(limit)
+            if room is not None and room <= 0:
+                break
             try:
-                got = self._scatter.receive(self.conn.sock, turn)
+                got = self._scatter.receive(self.conn.sock, room)
             except (BlockingIOError, ssl.SSLWantReadError):
                 break
             counters["bytes_received"] += got
-            if self._stage == "data":
-                turn -= got
             self.fresh = False
             while self.requests and self._scatter.done == self._scatter.total:
                 if self._stage == "head":
@@ -223,6 +220,15 @@ class _Reply:
         self._shard_ends = list(itertools.accumulate(lengths.tolist()))
         self._scatter = Scatter(pieces)
         self._stage = "data"
+
+    def _room(self, limit: int | None) -> int | None:
+        """Shard bytes of this reply up to its last shard at stripe position ``limit`` not
+        taken yet (None: no limit, or not in the shard bytes yet). The shards come in
+        position order (``exchange``'s ``pace``)."""
+        if limit is None or self._stage != "data" or self._items is None:
+            return None
+        upto = bisect.bisect_right(self._items[1], limit)
+        return (self._shard_ends[upto - 1] if upto else 0) - self._scatter.done
 
     def position(self) -> int:
         """The stripe position of the next shard this node sends (``sys.maxsize``: none)."""
@@ -301,6 +307,7 @@ class NodeLinks:
         positions ahead of the slowest one waits (its bytes stay in its socket and it stops
         sending) until that one catches up: every block's first shards come first, and the
         CPU goes to the node holding them back."""
+        limit: int | None = None  # the last stripe position a node may send now
         replies: dict[int, _Reply] = {}
         for node, asked in requests.items():
             opened = self._open(node, list(asked), deadline)
@@ -322,11 +329,12 @@ class NodeLinks:
                 del replies[reply.node]
 
             def keep_pace() -> None:
+                nonlocal limit
                 if pace is None or not replies:
                     return
-                floor = min(reply.position() for reply in replies.values())
+                limit = min(reply.position() for reply in replies.values()) + pace
                 for node, reply in replies.items():
-                    ahead = reply.position() > floor + pace
+                    ahead = reply.position() > limit
                     if ahead and node not in waiting:
                         selector.unregister(reply.conn.sock)
                         waiting.add(node)
@@ -350,7 +358,7 @@ class NodeLinks:
                     if replies.get(reply.node) is not reply or reply.node in waiting:
                         continue  # replaced, finished or set waiting in this round
                     try:
-                        got = reply.step(place, self.counters)
+                        got = reply.step(place, self.counters, limit)
                     except (OSError, EOFError, ProtocolError):
                         forget(reply)
                         again = self._lost(reply.node, reply, deadline)

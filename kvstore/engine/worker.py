@@ -162,6 +162,7 @@ class PagedWorker:
                     state_key=load.state_key,
                     state_position=load.state_position,
                     direct=load.direct,
+                    by_layer=self.swapin.cuda,
                 )
             except KVStoreError as error:  # no room, no fetcher: recompute, nothing written
                 log.warning("load of %s not started: %s", load.request_id, error)

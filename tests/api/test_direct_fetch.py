@@ -133,7 +133,9 @@ def _run_in_process(
     def announce(what: str, job: int, *layer: int) -> None:
         told.append((what, layer[0] if layer else -1, direct.counters.get("bytes_received", 0)))
 
-    job = FetchJob(1, region.offset, region.nbytes, kv, keys, answer.lease_id, direct=grant)
+    job = FetchJob(
+        1, region.offset, region.nbytes, kv, keys, answer.lease_id, direct=grant, by_layer=True
+    )
     try:
         with factory() as reader:
             run_job(job, view, reader, None, announce, direct)
