@@ -125,13 +125,6 @@ class Connection:
         self._until(deadline)
         self.sock.sendall(data)
 
-    def recv_pieces(self, pieces: list[memoryview], deadline: float) -> None:
-        """Fill ``pieces`` in order from the stream (blocking)."""
-        scatter = Scatter(pieces)
-        while scatter.done < scatter.total:
-            self._until(deadline)
-            scatter.receive(self.sock)
-
     def close(self) -> None:
         self.sock.close()
 

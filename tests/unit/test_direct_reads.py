@@ -16,7 +16,7 @@ from certs import self_signed
 from readnodes import ReadNodes, block_key
 
 from kvstore.blockstore.direct import DirectReader, Spread
-from kvstore.blockstore.readlinks import Connection
+from kvstore.blockstore.readlinks import Scatter
 from kvstore.blockstore.readserver import EngineReadServer
 from kvstore.blockstore.records import BlockLocation
 from kvstore.blockstore.segments import RECORD_BYTES
@@ -341,7 +341,10 @@ def test_a_reply_cut_anywhere_by_the_stream_fills_every_piece_in_order() -> None
         feeder = threading.Thread(target=feed)
         feeder.start()
         buffers = [bytearray(size) for size in sizes]
-        Connection(receiver).recv_pieces([memoryview(b) for b in buffers], time.monotonic() + 30)
+        scatter = Scatter([memoryview(b) for b in buffers])
+        receiver.settimeout(30)
+        while scatter.done < scatter.total:
+            scatter.receive(receiver)
         feeder.join()
         assert b"".join(buffers) == data
         sender.close()
