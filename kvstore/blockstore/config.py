@@ -108,8 +108,9 @@ class BlockStoreConfig:
     hedge_percentile: float = 95.0
     #: A lease given back without waiting (``release_many(wait=False)``, the blocks a lookup
     #: leased beyond its prefix) waits up to this long to ride on the next lookup to its meta
-    #: shard, so under load releases cost no calls of their own. 0 sends each at once.
-    release_batch_s: float = 0.02
+    #: shard, so under load releases cost no calls of their own (an engine releases a lease
+    #: after every load: its next lookup usually comes within this). 0 sends each at once.
+    release_batch_s: float = 0.25
     #: A client that saw a node fail skips it for this long before trying it again; twice as
     #: long after each further failure in a row, up to 8 times (a success resets it).
     node_retry_s: float = 5.0

@@ -37,6 +37,7 @@ reported as load errors) instead of hanging.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import subprocess
@@ -145,6 +146,11 @@ def fetcher_main(
     # One per process: its connections outlive a job; its choice of path is logged by the
     # engine side (this process has no log of its own).
     direct = DirectBlocks(on_decided=lambda text: events.send(("path", 0, text)))
+    # No cyclic garbage collection during a job: a read allocates thousands of short-lived
+    # objects, and the collections they set off walked every object of this process (grpc,
+    # numpy, ...): ~9% of a 99 MB read's CPU here. The objects made so far are frozen (never
+    # walked again); a job's cycles, if any, are collected after it.
+    gc.freeze()
     while True:
         try:
             job = jobs.recv()
@@ -152,11 +158,14 @@ def fetcher_main(
             break
         if job is None:
             break
+        gc.disable()
         try:
             region = buffer[job.region_offset : job.region_offset + job.region_nbytes]
             run_job(job, region, reader, gate, lambda *message: events.send(message), direct)
         except Exception as error:  # noqa: BLE001 - one bad job must not stop the fetcher
             events.send(("failed", job.job_id, f"{type(error).__name__}: {error}"))
+        finally:
+            gc.enable()
 
 
 def run_job(

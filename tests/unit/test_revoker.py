@@ -31,6 +31,19 @@ def test_releases_queued_while_a_send_runs_go_out_together_with_the_latest_end()
     assert revoker.flush(1) and revoker.sent == 3
 
 
+def test_releases_within_the_window_share_one_batch_and_a_flush_does_not_wait_for_it() -> None:
+    batches: list[list[str]] = []
+    revoker = Revoker(lambda ids, until: batches.append(list(ids)), window_s=3600.0)
+    for lease_id in ("a", "b", "c"):
+        revoker.revoke(lease_id, 5.0)
+    assert revoker.sent == 0  # still in the window
+    assert revoker.flush(10)  # sent at once, not an hour later
+    assert batches == [["a", "b", "c"]] and revoker.sent == 3
+    revoker.revoke("d", 5.0)
+    revoker.close()  # what is queued goes out before the thread stops
+    assert batches == [["a", "b", "c"], ["d"]]
+
+
 def test_a_failing_send_loses_its_batch_not_the_thread() -> None:
     sent: list[str] = []
 
