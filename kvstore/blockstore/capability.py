@@ -318,8 +318,7 @@ def check_grant(
     revoked: Revocations | None = None,
 ) -> NodeGrant:
     """``node_id``'s part of ``capability`` once it is proven (MAC under ``key``, constant
-    time), current (not past its end at ``now``, not too far ahead) and not revoked; a node
-    checks this once per request, then each asked key is looked up in the part.
+    time) and current (``check_current``); then each asked key is looked up in the part.
     ``CapabilityRefused`` naming what failed."""
     _check_key(key)
     grant = capability.grants.get(node_id)
@@ -337,6 +336,17 @@ def check_grant(
     )
     if not hmac.compare_digest(expected, grant.mac):
         raise CapabilityRefused(CapabilityRefused.FORGED, "its MAC does not match its contents")
+    check_current(capability, now, revoked)
+    return grant
+
+
+def check_current(
+    capability: ReadCapability, now: float, revoked: Revocations | None = None
+) -> None:
+    """That a proven ``capability`` still holds at ``now``: not past its end, not ending too
+    far ahead, not revoked. Its proof depends on its bytes alone, so a node that proved these
+    bytes once (on a connection that presents them again) checks only this, every request.
+    ``CapabilityRefused`` naming what failed."""
     if now > capability.expires:
         raise CapabilityRefused(
             CapabilityRefused.EXPIRED,
@@ -352,7 +362,6 @@ def check_grant(
         raise CapabilityRefused(
             CapabilityRefused.REVOKED, f"lease {capability.lease_id!r} was released"
         )
-    return grant
 
 
 def verify(

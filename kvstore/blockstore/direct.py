@@ -19,12 +19,13 @@ the wire.
 **Checks.** The common case needs no decode: with every data shard of a block served at the
 length its size implies, the block is the fragments end to end. A shard counts once its header
 names this block, its stripe position, this geometry, this size and the write of the block's
-shard 0 (one payload hash), and its checksum (xxh3-64 over header and fragment, ``ec.shard``)
-holds: each byte is hashed once, as it would be by one hash of the block, and a block's first
-shards are known good before its last ones arrive. Anything else (a node down or refusing, a
-shard missing, short, damaged or of another write) sends the block to the careful path: every
-shard of it is read into an array of its own, each checked whole (``check_shard``: checksum,
-key, position, geometry, size), the shards grouped by write, and the block decoded from parity
+shard 0 (one payload hash), and its checksum (xxh3-64 over header and fragment, ``ec.shard``;
+every shard landed since the last check in one C call, ``_shardsums``) holds: each byte is
+hashed once, as it would be by one hash of the block, and a block's first shards are known good
+before its last ones arrive. Anything else (a node down or refusing, a shard missing, short,
+damaged or of another write) sends the block to the careful path: every shard of it is read
+into an array of its own, each checked whole (``check_shard``: checksum, key, position,
+geometry, size), the shards grouped by write, and the block decoded from parity
 through the codec (ISA-L) into its place, then hashed against its write's payload hash. A block
 that cannot be assembled that way is a miss (False): its bytes in the buffer are undefined,
 never handed out as a block. Once the caller has handed bytes on, a block that fails is a miss
@@ -41,6 +42,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -63,6 +65,12 @@ from kvstore.ec.shard import (
 )
 from kvstore.errors import ECError
 from kvstore.fastcall.tls import ClientTLS
+
+_sums: ModuleType | None
+try:  # the checksums in one C call; without a compiler at install, ``_sums_hold``'s loop serves
+    from kvstore.blockstore import _shardsums as _sums
+except ImportError:  # pragma: no cover - the CI machine builds it
+    _sums = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,23 @@ class _Read:
             at = int(self.starts[block]) + begin
             return [self.view[at : at + nbytes]]
         return self.spread.pieces(self.view, self.spread.rows[block], begin, nbytes)
+
+    def piece_table(
+        self, blocks: np.ndarray, begin: np.ndarray, nbytes: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``pieces`` for many at once, as offsets in ``view`` and lengths, one row each and a
+        column per segment of the spread (one end to end); a piece of length 0 is none."""
+        if self.spread is None:
+            return (self.starts[blocks] + begin)[:, None], np.array(nbytes, np.int64)[:, None]
+        end = begin + nbytes
+        rows = np.asarray(self.spread.rows, np.int64)[blocks]
+        at = np.zeros((len(blocks), len(self.spread.segments)), np.int64)
+        lengths = np.zeros_like(at)
+        for column, (offset, length, base) in enumerate(self.spread.segments):
+            lo, hi = np.maximum(begin, offset), np.minimum(end, offset + length)
+            lengths[:, column] = np.maximum(hi - lo, 0)
+            at[:, column] = np.where(hi > lo, base + rows * length + lo - offset, 0)
+        return at, lengths
 
     def part(self, node: int) -> bytes:
         encoded = self.parts.get(node)
@@ -262,7 +287,6 @@ class DirectReader:
         heads = np.zeros((n, k, HEADER_BYTES), np.uint8)
         head_view = memoryview(heads).cast("B")  # type: ignore[arg-type]
         scratch = [memoryview(bytearray(int(fragments.max(initial=0))))]
-        zeros = memoryview(bytes(int(fragments.max(initial=0))))  # padding is zeros (``ec.shard``)
         landed = np.zeros((n, k), bool)
         checked = np.zeros((n, k), bool)
         unchecked: list[Items] = []
@@ -280,14 +304,15 @@ class DirectReader:
             if most > len(scratch[0]):
                 scratch[0] = memoryview(bytearray(most))
             junk = scratch[0]
+            view = read.view
+            piece_at, piece_len = read.piece_table(bs, begin, take)
             pieces: list[memoryview] = []
             add = pieces.append
-            for fit, b, head, at, taken, pad, length in zip(
+            for fit, head, ats, lens, pad, length in zip(
                 fits.tolist(),
-                bs.tolist(),
                 ((bs * k + indices) * HEADER_BYTES).tolist(),
-                begin.tolist(),
-                take.tolist(),
+                piece_at.tolist(),
+                piece_len.tolist(),
                 (fragment - take).tolist(),
                 lengths.tolist(),
                 strict=True,
@@ -296,8 +321,9 @@ class DirectReader:
                     add(junk[:length])
                     continue
                 add(head_view[head : head + HEADER_BYTES])
-                if taken:
-                    pieces += read.pieces(b, at, taken)
+                for at, nbytes in zip(ats, lens, strict=True):
+                    if nbytes:
+                        add(view[at : at + nbytes])
                 if pad:  # the last fragment's padding
                     add(junk[:pad])
             return pieces, fits
@@ -321,21 +347,10 @@ class DirectReader:
             fragment = fragments[bs]
             begin = indices * fragment
             take = np.clip(sizes[bs] - begin, 0, fragment)
-            for row, b, index, at, taken, pad in zip(
-                np.flatnonzero(good).tolist(),
-                bs[good].tolist(),
-                indices[good].tolist(),
-                begin[good].tolist(),
-                take[good].tolist(),
-                (fragment - take)[good].tolist(),
-                strict=True,
-            ):
-                digest = xxhash.xxh3_64(heads[b, index, CHECKED_FROM:].tobytes())
-                for piece in read.pieces(b, at, taken):
-                    digest.update(piece)
-                if pad:
-                    digest.update(zeros[:pad])
-                good[row] = digest.digest() == heads[b, index, :CHECKED_FROM].tobytes()
+            rows = np.flatnonzero(good)
+            good[rows] = _sums_hold(
+                read, heads, bs[rows], indices[rows], begin[rows], take[rows], fragment[rows]
+            )
             checked[bs[good], indices[good]] = True
 
         def tell(upto: int) -> None:
@@ -472,6 +487,43 @@ class DirectReader:
             if payload_hash(target) == digest:
                 return True
         return False
+
+
+def _sums_hold(
+    read: _Read,
+    heads: np.ndarray,
+    bs: np.ndarray,
+    indices: np.ndarray,
+    begin: np.ndarray,
+    take: np.ndarray,
+    fragment: np.ndarray,
+) -> np.ndarray:
+    """Whether the checksum of each landed shard (block ``bs``, stripe index ``indices``) holds:
+    xxh3-64 over its header from ``CHECKED_FROM`` on (in ``heads``), its ``take`` bytes of the
+    block from ``begin`` on (where the read put them) and its zero padding up to ``fragment``.
+    One C call for them all (``_shardsums``); this loop is its reference and fallback."""
+    k = heads.shape[1]
+    pads = fragment - take
+    if _sums is not None:
+        piece_at, piece_len = read.piece_table(bs, begin, take)
+        holds = np.zeros(len(bs), np.uint8)
+        _sums.check_sums(
+            heads, (bs * k + indices) * HEADER_BYTES, read.view, piece_at, piece_len, pads, holds
+        )
+        return holds.view(bool)
+    zeros = bytes(int(pads.max(initial=0)))  # padding is zeros (``ec.shard``)
+    out = np.zeros(len(bs), bool)
+    for row, (b, index, at, taken, pad) in enumerate(
+        zip(
+            bs.tolist(), indices.tolist(), begin.tolist(), take.tolist(), pads.tolist(), strict=True
+        )
+    ):
+        digest = xxhash.xxh3_64(heads[b, index, CHECKED_FROM:].tobytes())
+        for piece in read.pieces(b, at, taken):
+            digest.update(piece)
+        digest.update(zeros[:pad])
+        out[row] = digest.digest() == heads[b, index, :CHECKED_FROM].tobytes()
+    return out
 
 
 def _asks(placements: np.ndarray, rows: np.ndarray | None = None) -> dict[int, Items]:

@@ -5,8 +5,11 @@ lease's shards here, straight from the node, with the lease's read capability
 (``capability``). The socket serves exactly one operation, "read these shards with this
 capability" (``readproto``); there is no put, delete or any other method on it, and a frame
 naming another operation drops the peer. Each asked shard is checked against the capability
-before anything is read: this node's part of it proven under the cluster read key, current,
-not revoked, and naming that shard; a refused shard gets a refusal status, never a byte.
+before anything is read: this node's part of it proven under the cluster read key, current, not
+revoked, and naming that shard; a refused shard gets a refusal status, never a byte. The proof
+(decoding the part, its MAC) is made once per connection and part: the part's bytes, presented
+again on that connection, are compared with the proven ones instead; its end and revocation are
+checked every request.
 
 What makes it safe to listen, as for the fastcall socket (``kvstore.fastcall.server``):
 
@@ -50,8 +53,10 @@ import numpy as np
 from kvstore.blockstore import readproto as proto
 from kvstore.blockstore.capability import (
     CapabilityRefused,
+    NodeGrant,
     ReadCapability,
     Revocations,
+    check_current,
     check_grant,
 )
 from kvstore.clock import Clock, SystemClock
@@ -96,6 +101,18 @@ class _Reply:
     extents: list[tuple[int, int, int]] = field(default_factory=list)
     readers: list[int] = field(default_factory=list)
     reserved: int = 0
+
+
+@dataclass
+class _Proven:
+    """The capability part a connection last presented and proved: its bytes, what they decode
+    to and this node's grant in them. Its MAC depends on those bytes alone, so when the same
+    bytes come again on the connection (an engine sends its lease's part with every request)
+    they are not decoded or MACed again; whether it is current (its end, revocation) is
+    checked every request all the same (``check_current``)."""
+
+    encoded: bytes = b""
+    proof: tuple[ReadCapability, NodeGrant] | None = None
 
 
 class EngineReadServer:
@@ -232,6 +249,7 @@ class EngineReadServer:
             return
         with FastConnection(sock, proto.MAX_REQUEST_BYTES) as conn:
             proven = False
+            part = _Proven()
             while not self._closed:
                 wait = accepted + UNAUTHENTICATED_S if not proven else time.monotonic() + self._idle
                 reply: _Reply | None = None
@@ -243,7 +261,7 @@ class EngineReadServer:
                     body = conn.recv_body(size, time.monotonic() + IO_TIMEOUT_S)
                     if self._orphaned():
                         return
-                    answer = self._answer(body)
+                    answer = self._answer(body, part)
                     if answer is None:
                         return
                     reply, served = answer
@@ -274,9 +292,10 @@ class EngineReadServer:
         log.warning("engine reads: node %d dropped a peer: %s", self.node_id, why)
         self._count(peers_dropped=1)
 
-    def _answer(self, body: bytearray) -> tuple[_Reply, bool] | None:
+    def _answer(self, body: bytearray, proven: _Proven) -> tuple[_Reply, bool] | None:
         """The reply to one request and whether it was served (its capability passed); None:
-        drop the peer (not a read request)."""
+        drop the peer (not a read request). ``proven``: the part this connection proved last
+        (updated when it proves another)."""
         view = memoryview(body)
         magic, op, version, _, cap_len, count = proto.REQUEST.unpack_from(view)
         if magic != proto.REQUEST_MAGIC or op != proto.OP_READ or version != proto.VERSION:
@@ -291,11 +310,17 @@ class EngineReadServer:
         at = proto.REQUEST.size
         keys_raw = bytes(view[at + cap_len :])
         keys = [keys_raw[i : i + 32] for i in range(0, len(keys_raw), 32)]
+        encoded = bytes(view[at : at + cap_len])
         try:
-            capability = ReadCapability.decode(view[at : at + cap_len])
-            grant = check_grant(
-                self._key, capability, self.node_id, self._clock.now(), self.revocations
-            )
+            if proven.proof is not None and encoded == proven.encoded:
+                capability, grant = proven.proof
+                check_current(capability, self._clock.now(), self.revocations)
+            else:
+                capability = ReadCapability.decode(encoded)
+                grant = check_grant(
+                    self._key, capability, self.node_id, self._clock.now(), self.revocations
+                )
+                proven.encoded, proven.proof = encoded, (capability, grant)
         except CapabilityRefused as refused:
             log.info("engine reads: node %d: %s", self.node_id, refused)
             self._count(**{f"refused_{refused.reason}": count, "requests_refused": 1})
@@ -330,15 +355,16 @@ class EngineReadServer:
         readers: dict[int, int],
     ) -> _Reply:
         sends: list[tuple[int, int, int]] = []
+        served: list[int] = []
         for position, extent in zip(allowed, extents, strict=True):
-            if extent is None:
-                statuses[position] = proto.MISSING
-                continue
-            seq, offset, length = extent
-            statuses[position] = proto.OK
-            lengths[position] = length
-            sends.append((readers[seq], offset, length))
-        total = sum(length for _, _, length in sends)
+            if extent is not None:
+                seq, offset, length = extent
+                served.append(position)
+                sends.append((readers[seq], offset, length))
+        statuses[allowed] = proto.MISSING
+        statuses[served] = proto.OK
+        lengths[served] = [length for _, _, length in sends]
+        total = int(lengths.sum())
         self._count(served=len(sends), missing=len(allowed) - len(sends), bytes_sent=total)
         parts = _parts(statuses, lengths, total, None)
         return _Reply(parts, sends, list(readers.values()))

@@ -22,6 +22,7 @@ from readnodes import NOW, ReadNodes, block_key
 
 from kvstore import wire
 from kvstore.blockstore import readproto as proto
+from kvstore.blockstore import readserver
 from kvstore.blockstore.capability import ReadCapability, mint
 from kvstore.blockstore.direct import DirectReader
 from kvstore.blockstore.readserver import EngineReadServer
@@ -195,6 +196,53 @@ def test_a_capability_replayed_after_its_lease_was_released_is_refused(tier: Rea
         revocations.revoke(["released-lease"], capability.expires, tier.clock.now())
     reply = _ask(tier, 5, capability.for_node(5).encode(), keys)
     assert reply.statuses == ["revoked"] * len(keys) and reply.data_bytes == 0
+
+
+def test_a_part_proven_on_a_connection_is_still_checked_for_its_end_and_release_there(
+    tier: ReadNodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node proves a connection's capability part once (decode, MAC) and then compares the
+    bytes presented with it (``readserver._Proven``); what it must not skip on that
+    connection: the lease's end and its release (check: ``check_current`` every request), and
+    the MAC of any other part presented there (check: the whole part's bytes are compared)."""
+    proofs = []
+    real_check = readserver.check_grant
+    monkeypatch.setattr(
+        readserver, "check_grant", lambda *args: proofs.append(1) or real_check(*args)
+    )
+    lease = _blocks(tier, "alice")
+    node = 11
+    keys = _keys_on(lease, node)
+    ending = tier.capability(lease, lease_id="ending-lease", seconds=5).for_node(node)
+    released = tier.capability(lease, lease_id="released-on-conn").for_node(node)
+    grant = released.grants[node]
+    widened = ReadCapability(
+        released.lease_id,
+        released.tenant,
+        released.expires,
+        {node: type(grant)(tuple(sorted({*grant.keys, _blocks(tier, "bob")[0].key})), grant.mac)},
+    )
+    with socket.create_connection(tier.servers[node].endpoint, timeout=5) as sock:
+
+        def ask(part: ReadCapability, asked: list[bytes]) -> Reply:
+            sock.sendall(_request(part.encode(), asked))
+            return Reply(sock)
+
+        assert ask(ending, keys).statuses == ["ok"] * len(keys)
+        assert ask(ending, keys).statuses == ["ok"] * len(keys)
+        assert len(proofs) == 1  # proven once on this connection, not per request
+        assert ask(released, keys).statuses == ["ok"] * len(keys)
+        assert len(proofs) == 2  # another part: proven on its own
+        reply = ask(widened, [_blocks(tier, "bob")[0].key])
+        assert reply.statuses == ["forged"] and reply.data_bytes == 0
+        for revocations in tier.revocations:
+            revocations.revoke(["released-on-conn"], released.expires, tier.clock.now())
+        reply = ask(released, keys)
+        assert reply.statuses == ["revoked"] * len(keys) and reply.data_bytes == 0
+        assert ask(ending, keys).statuses == ["ok"] * len(keys)
+        tier.clock.advance(5.5)  # past the end of "ending-lease"
+        reply = ask(ending, keys)
+        assert reply.statuses == ["expired"] * len(keys) and reply.data_bytes == 0
 
 
 def test_a_request_without_a_capability_is_refused_and_the_peer_dropped(tier: ReadNodes) -> None:

@@ -15,6 +15,7 @@ import pytest
 from certs import self_signed
 from readnodes import ReadNodes, block_key
 
+from kvstore.blockstore import direct
 from kvstore.blockstore.direct import DirectReader, Spread
 from kvstore.blockstore.readlinks import Scatter
 from kvstore.blockstore.readserver import EngineReadServer
@@ -33,6 +34,16 @@ def tier(tmp_path) -> Iterator[ReadNodes]:  # type: ignore[no-untyped-def]
     nodes.put([block_key("t", i) for i in range(24)], SIZE)
     yield nodes
     nodes.close()
+
+
+@pytest.fixture(params=["c", "python"])
+def checksums(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The shard checksums by the C extension (``_shardsums``), or by its Python reference."""
+    if request.param == "python":
+        monkeypatch.setattr(direct, "_sums", None)
+    else:
+        assert direct._sums is not None  # the CI machine builds it
+    return str(request.param)
 
 
 def _lease(tier: ReadNodes) -> list[BlockLocation]:
@@ -183,7 +194,7 @@ def test_progress_hands_on_each_blocks_first_bytes_in_order(tier: ReadNodes) -> 
 
 @pytest.mark.parametrize("handed_on", [True, False])
 def test_a_block_damaged_after_its_bytes_were_handed_on_is_a_miss(
-    tier: ReadNodes, handed_on: bool
+    tier: ReadNodes, handed_on: bool, checksums: str
 ) -> None:
     """Bytes handed on may be in use: a block found bad later is a miss, never decoded into
     place under its reader; while nothing was handed on, it is decoded from parity."""
@@ -205,6 +216,21 @@ def test_a_block_damaged_after_its_bytes_were_handed_on_is_a_miss(
     assert reader.counters["decoded_blocks"] == (0 if handed_on else 1)
 
 
+def test_blocks_smaller_than_a_fragment_per_shard_land_whole(
+    tier: ReadNodes, checksums: str
+) -> None:
+    """A 200-byte block has data in its first 4 fragments only (64 bytes each): the other data
+    shards carry padding alone, and the last block's end is the buffer's."""
+    keys = [block_key("small", i) for i in range(5)]
+    blocks = tier.put(keys, 200, seed=3)
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(5 * 200, np.uint8)
+    assert reader.read_into(tier.capability(blocks), blocks, out) == [True] * 5
+    for b, key in enumerate(keys):
+        assert np.array_equal(out[b * 200 : (b + 1) * 200], tier.payloads[key])
+    assert reader.counters["fast_blocks"] == 5
+
+
 def test_a_node_down_is_decoded_around_from_parity(tier: ReadNodes) -> None:
     blocks = _lease(tier)
     tier.servers[4].close()
@@ -216,7 +242,7 @@ def test_a_node_down_is_decoded_around_from_parity(tier: ReadNodes) -> None:
     assert reader.counters["decoded_blocks"] > 0
 
 
-def test_a_damaged_data_shard_is_found_and_decoded_around(tier: ReadNodes) -> None:
+def test_a_damaged_data_shard_is_found_and_decoded_around(tier: ReadNodes, checksums: str) -> None:
     blocks = _lease(tier)
     victim = blocks[5]
     _damage(tier, victim.placement[2], victim.key)

@@ -1,0 +1,193 @@
+/* The direct reader's shard checksums in C: every landed shard of a read checked in one call.
+ *
+ * A shard's checksum (kvstore/ec/shard.py) is xxh3-64 over its header from byte 8 on, its
+ * fragment and the fragment's zero padding, stored big-endian in the header's first 8 bytes.
+ * The direct reader (direct.py) receives headers into a table and fragments straight into the
+ * caller's buffer, so each shard is hashed from two or more places. Hashing them one Python
+ * call at a time cost ~1 ms of a 64-block read of 111 KiB blocks (640 shards; the bytes
+ * themselves ~0.3 ms); here it is one pass, without the GIL. direct.py's Python loop stays the
+ * reference and the fallback when the extension is not built or cannot find xxh3.
+ *
+ * xxh3 comes from the xxhash package's own extension (a dependency of kvstore, already loaded):
+ * its streaming functions are looked up there once, at import, so this file needs no xxhash
+ * header or library at build time and hashes with exactly the code the writer used. Where that
+ * extension does not export them, importing this module fails and the Python loop serves.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef void *(*create_state_fn)(void);
+typedef int (*free_state_fn)(void *);
+typedef int (*reset_fn)(void *);
+typedef int (*update_fn)(void *, const void *, size_t);
+typedef uint64_t (*digest_fn)(const void *);
+
+static create_state_fn create_state;
+static free_state_fn free_state;
+static reset_fn reset;
+static update_fn update;
+static digest_fn digest;
+
+#define HEADER_BYTES 64
+#define CHECKED_FROM 8
+static const uint8_t ZEROS[4096];
+
+static int
+contiguous(PyObject *object, Py_buffer *view, int writable, const char *name)
+{
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(object, view, flags) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s: must be a C-contiguous%s buffer", name,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    return 0;
+}
+
+static uint64_t
+load_be64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* The checksum of one shard: header tail, then its pieces, then pad zero bytes. */
+static int
+shard_ok(void *state, const uint8_t *head, const uint8_t *data, const int64_t *at,
+         const int64_t *len, Py_ssize_t pieces, int64_t pad)
+{
+    reset(state);
+    update(state, head + CHECKED_FROM, HEADER_BYTES - CHECKED_FROM);
+    for (Py_ssize_t p = 0; p < pieces; p++)
+        if (len[p])
+            update(state, data + at[p], (size_t)len[p]);
+    while (pad > 0) {
+        size_t step = pad < (int64_t)sizeof(ZEROS) ? (size_t)pad : sizeof(ZEROS);
+        update(state, ZEROS, step);
+        pad -= (int64_t)step;
+    }
+    return digest(state) == load_be64(head);
+}
+
+static PyObject *
+check_sums(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *objects[7];
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &objects[0], &objects[1], &objects[2], &objects[3],
+                          &objects[4], &objects[5], &objects[6]))
+        return NULL;
+    static const char *names[7] = {"heads", "head_at", "data",  "piece_at",
+                                   "piece_len", "pads", "ok"};
+    Py_buffer views[7];
+    int taken = 0;
+    PyObject *result = NULL;
+    for (; taken < 7; taken++)
+        if (contiguous(objects[taken], &views[taken], taken == 6, names[taken]) < 0)
+            goto release;
+    Py_buffer *heads = &views[0], *head_at = &views[1], *data = &views[2], *piece_at = &views[3],
+              *piece_len = &views[4], *pads = &views[5], *ok = &views[6];
+    const Py_ssize_t shards = ok->len;
+    if (head_at->len != shards * 8 || pads->len != shards * 8 || piece_at->len != piece_len->len ||
+        piece_at->len % 8 || (shards && (piece_at->len / 8) % shards) ||
+        (!shards && piece_at->len)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "check_sums: n int64 head_at and pads, (n, pieces) int64 piece_at and "
+                        "piece_len, n uint8 ok expected");
+        goto release;
+    }
+    const Py_ssize_t per_shard = shards ? piece_at->len / 8 / shards : 0;
+    const int64_t *heads_at = head_at->buf, *ats = piece_at->buf, *lens = piece_len->buf,
+                  *pad = pads->buf;
+    /* Every place named must lie inside its buffer (an empty piece is never read: its offset
+     * does not count): a wrong table is an error, never a read outside it. */
+    for (Py_ssize_t s = 0; s < shards; s++) {
+        int bad = heads_at[s] < 0 || heads_at[s] > heads->len - HEADER_BYTES || pad[s] < 0;
+        for (Py_ssize_t p = s * per_shard; p < (s + 1) * per_shard && !bad; p++)
+            bad = lens[p] < 0 ||
+                  (lens[p] && (ats[p] < 0 || ats[p] > data->len || lens[p] > data->len - ats[p]));
+        if (bad) {
+            PyErr_Format(PyExc_ValueError, "check_sums: shard %zd names bytes outside its buffers",
+                         s);
+            goto release;
+        }
+    }
+    void *state = create_state();
+    if (state == NULL) {
+        PyErr_NoMemory();
+        goto release;
+    }
+    const uint8_t *head_bytes = heads->buf, *data_bytes = data->buf;
+    uint8_t *out = ok->buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t s = 0; s < shards; s++)
+        out[s] = (uint8_t)shard_ok(state, head_bytes + heads_at[s], data_bytes,
+                                   ats + s * per_shard, lens + s * per_shard, per_shard, pad[s]);
+    Py_END_ALLOW_THREADS
+    free_state(state);
+    result = Py_None;
+    Py_INCREF(result);
+release:
+    while (taken-- > 0)
+        PyBuffer_Release(&views[taken]);
+    return result;
+}
+
+/* The xxh3 streaming functions of the xxhash package's extension (see the top of this file). */
+static int
+find_xxh3(void)
+{
+    PyObject *module = PyImport_ImportModule("xxhash._xxhash");
+    if (module == NULL)
+        return -1;
+    PyObject *file = PyObject_GetAttrString(module, "__file__");
+    Py_DECREF(module);
+    if (file == NULL)
+        return -1;
+    const char *path = PyUnicode_AsUTF8(file);
+    void *library = path == NULL ? NULL : dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    Py_DECREF(file);
+    if (library == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ImportError, "_shardsums: the xxhash extension is not loaded");
+        return -1;
+    }
+    create_state = (create_state_fn)dlsym(library, "XXH3_createState");
+    free_state = (free_state_fn)dlsym(library, "XXH3_freeState");
+    reset = (reset_fn)dlsym(library, "XXH3_64bits_reset");
+    update = (update_fn)dlsym(library, "XXH3_64bits_update");
+    digest = (digest_fn)dlsym(library, "XXH3_64bits_digest");
+    if (!create_state || !free_state || !reset || !update || !digest) {
+        PyErr_SetString(PyExc_ImportError, "_shardsums: the xxhash extension exports no xxh3");
+        return -1;
+    }
+    return 0;
+}
+
+static PyMethodDef methods[] = {
+    {"check_sums", check_sums, METH_VARARGS,
+     "check_sums(heads, head_at, data, piece_at, piece_len, pads, ok): ok[s] = 1 where shard "
+     "s's checksum (the first 8 bytes of the header at heads[head_at[s]:], big-endian) is the "
+     "xxh3-64 of that header from byte 8 on, the data pieces (piece_at[s, p], piece_len[s, p]) "
+     "in order and pads[s] zero bytes; else 0."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvstore.blockstore._shardsums",
+    "The direct reader's shard checksums in C (see _shardsums.c).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__shardsums(void)
+{
+    if (find_xxh3() < 0)
+        return NULL;
+    return PyModule_Create(&module);
+}
