@@ -18,6 +18,8 @@ A value is one tag byte and what the tag says follows (little-endian; ``n`` is a
     f  float (f64)
     s  n, utf-8    b  n, bytes             l / t  n, n values (list / tuple)
     k  n, width, n*width bytes: a list of equal-length bytes (block keys: one copy, not n)
+    B  n, n bytes of 0 or 1: a list of bools (a node's or meta shard's answer per key: one
+       item to write and read, not n)
     a  dtype code (u8), ndim (u8), ndim x u64 dims, zero padding to 8, the C-order data
     r  name length (u8), name, a tuple of the fields' values (a registered dataclass)
     R  n: the n-th dataclass of this frame again (a directory answers a few StoreRefs, often)
@@ -234,6 +236,10 @@ def _put_sequence(out: _Out, value: list[Any] | tuple[Any, ...], depth: int) -> 
             out.head += _KEYS.pack(b"k", len(value), width)
             out.head += b"".join(value)
             return
+    if type(value) is list and value and type(value[0]) is bool and set(map(type, value)) == {bool}:
+        out.head += _TAG_N.pack(b"B", len(value))
+        out.head += bytes(value)
+        return
     out.head += _TAG_N.pack(b"l" if type(value) is list else b"t", len(value))
     head, sent, pack = out.head, out.sent, _TAG_N.pack
     for item in value:  # misses and repeated StoreRefs inline: most of a directory's answer
@@ -436,6 +442,17 @@ def _get_keys(view: memoryview, at: int, depth: int, made: _In) -> tuple[list[by
     return keys, end
 
 
+def _get_bools(view: memoryview, at: int, depth: int, made: _In) -> tuple[list[bool], int]:
+    (count,) = _U32.unpack_from(view, at)
+    made.spend(count, at)
+    start = at + 4
+    end = _span(view, start, count)
+    data = bytes(view[start:end])
+    if data.translate(None, b"\0\1"):  # one encoding per value: 0 or 1, nothing else
+        raise WireError("a bool list holds a byte other than 0 and 1")
+    return list(map(bool, data)), end
+
+
 @functools.lru_cache(maxsize=16)
 def _key_run(width: int, count: int) -> struct.Struct:
     """The format of ``count`` keys of ``width`` bytes (a few kept: one key width travels)."""
@@ -492,6 +509,7 @@ _READERS: dict[int, Reader] = {
     ord("l"): _get_items,
     ord("t"): _get_tuple,
     ord("k"): _get_keys,
+    ord("B"): _get_bools,
     ord("a"): _get_array,
     ord("r"): _get_dataclass,
 }

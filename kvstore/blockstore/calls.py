@@ -29,8 +29,8 @@ class StorageNodeCalls(Protocol):
         token: int,
         keys: Sequence[bytes],
         shards: Sequence[np.ndarray],
-        class_ids: Sequence[int],
-        created: Sequence[float],
+        class_ids: Sequence[int] | np.ndarray,
+        created: Sequence[float] | np.ndarray,
     ) -> list[bool]: ...
 
     def commit(self, token: int, keys: Sequence[bytes]) -> list[bool]: ...
@@ -76,7 +76,7 @@ class MetaShardCalls(Protocol):
         keys: Sequence[bytes],
         token: int,
         placements: np.ndarray,
-        sizes: Sequence[int],
+        sizes: Sequence[int] | np.ndarray,
         class_id: int,
     ) -> list[bool]: ...
 

@@ -157,8 +157,9 @@ class BlockStoreClient(BlockReads):
                     token,
                     [keys[p] for p in positions.tolist()],
                     Stacked(shards) if uniform else shards,
-                    [class_id] * len(shards),
-                    [created] * len(shards),
+                    # One array each, not a list: one wire item instead of one per shard.
+                    np.full(len(shards), class_id, np.uint8),
+                    np.full(len(shards), created, np.float64),
                 )
                 tickets[ticket] = (node, positions, indices, time.monotonic())
             short = np.zeros(len(keys), bool)  # blocks with a put not acknowledged this attempt
@@ -262,7 +263,7 @@ class BlockStoreClient(BlockReads):
                 [subset[m] for m in members],
                 token,
                 placements[members],
-                [sizes[positions[m]] for m in members],
+                np.array([sizes[positions[m]] for m in members], np.int64),
                 class_id,
             )
             tickets[ticket] = members

@@ -174,7 +174,7 @@ class MetaShard:
         keys: Sequence[bytes],
         token: int,
         placements: np.ndarray,
-        sizes: Sequence[int],
+        sizes: Sequence[int] | np.ndarray,
         class_id: int,
     ) -> list[bool]:
         """Insert blocks whose shards were committed on their nodes (the visibility point).

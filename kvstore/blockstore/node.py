@@ -257,8 +257,8 @@ class StorageNode:
         token: int,
         keys: Sequence[bytes],
         shards: Sequence[np.ndarray],
-        class_ids: Sequence[int],
-        created: Sequence[float],
+        class_ids: Sequence[int] | np.ndarray,
+        created: Sequence[float] | np.ndarray,
     ) -> list[bool]:
         """Append shards as *pending* under writer ``token``; True per durably written shard.
 

@@ -73,6 +73,8 @@ WIRE_DTYPES = ("bool", "uint8", "uint16", "uint32", "uint64", "int32", "int64", 
         [b"k" * 32, b"\x00" * 32],  # the block keys' compact form
         [b"ab", b"abc"],  # unequal lengths: one value each
         [b"ab", "ab"],
+        [True, False, True],  # a node's answer per key: the bool lists' compact form
+        [True, 1],  # not all bools: one value each
         StoreRef("m0", "kv-store-m0"),
         [StoreRef("m0", "s0"), None, StoreRef("m1", "s1")],
     ],
@@ -136,6 +138,14 @@ def test_stacked_rows_decode_as_the_array_they_stack_to_without_a_copy_on_the_wa
     with pytest.raises(ValueError):
         wire.encode(wire.Stacked([np.zeros(3, np.uint8), np.zeros(4, np.uint8)]))
     assert np.array_equal(pickle.loads(pickle.dumps(wire.Stacked(rows))).array(), np.stack(rows))
+
+
+def test_a_list_of_bools_travels_as_one_item_and_decodes_as_bools() -> None:
+    answer = [True, False] * 32  # what a node answers for a put of 64 shards
+    data = frame(answer)
+    assert data[:1] == b"B" and len(data) == 5 + 64  # one run of bytes, not 64 values
+    got = wire.decode(data)
+    assert got == answer and all(type(item) is bool for item in got)
 
 
 def test_numpy_scalars_travel_as_python_scalars() -> None:
@@ -225,6 +235,8 @@ def _u32(value: int) -> bytes:
         b"l" + _u32(0xFFFFFFFF),  # a count the frame cannot hold: no 4-billion-item list
         b"k" + _u32(1 << 31) + _u32(0),  # zero-width keys would cost memory the frame lacks
         b"k" + _u32(4) + _u32(32) + bytes(64),
+        b"B" + _u32(3) + b"\x01\x00",  # bools beyond the frame
+        b"B" + _u32(2) + b"\x01\x02",  # a bool byte other than 0 and 1: one encoding a value
         b"a\x05\x01" + struct.pack("<Q", 1 << 40) + bytes(8),  # a huge array, 8 bytes sent
         b"a\x63\x01" + struct.pack("<Q", 1) + bytes(8),  # dtype code 99
         b"a\x05\x40" + bytes(8 * 64),  # 64 dimensions
