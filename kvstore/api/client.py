@@ -193,6 +193,7 @@ class KVStoreClient:
             else tuple(BlockKey(key) for key in reply.hit_block_keys),
             direct=_direct_grant(reply.direct) if reply.HasField("direct") else None,
             prefill_tokens_per_s=reply.prefill_tokens_per_s,
+            stored_blocks=reply.stored_blocks,
         )
 
     def put_blocks(

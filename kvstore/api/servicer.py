@@ -402,6 +402,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             hit_block_keys_packed=answer.hit_keys_packed if packed else b"",
             direct=None if answer.direct is None else _direct_message(answer.direct),
             prefill_tokens_per_s=self._prefill.rate(call.tenant.name, fingerprint),
+            stored_blocks=answer.stored_blocks,
         )
 
     def _hit_request(self, request: Any) -> HitRequest:

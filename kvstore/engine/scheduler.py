@@ -65,6 +65,9 @@ class _Tracked:
     computed: int = 0  # tokens the engine had (its own prefix cache) when the load was planned
     tables: list[list[int]] = field(default_factory=list)
     saved_blocks: int = -1  # blocks known to be in the tier or handed to a save; -1: not yet
+    #: The prompt's leading full blocks the tier said it holds (past the hit's cap too): the
+    #: engine computes those it does not load, and saves none of them again.
+    stored_blocks: int = 0
     stepped_to: int = -1  # tokens of KV after the last planned step; -1: none planned yet
     saves_emitted: int = 0
     loading: PagedLoad | None = None
@@ -153,7 +156,9 @@ class PagedScheduler:
             try:
                 answer = self._hits.query_hit(
                     HitRequest(
-                        block_keys=self.keys(prompt, full),
+                        # Every full block: those past the cap never hit, but the answer says
+                        # which the tier holds (``stored_blocks``), so they are not saved again.
+                        block_keys=self.keys(prompt, len(prompt) // BLOCK_TOKENS),
                         prompt_len=len(prompt),
                         mode=self.mode,
                         traffic_class=self.traffic_class,
@@ -172,7 +177,8 @@ class PagedScheduler:
                     describe(error),
                     self._retry_after_s,
                 )
-        self._requests[request_id] = _Tracked(answer, prompt_len=len(prompt))
+        stored = 0 if answer is None else answer.stored_blocks
+        self._requests[request_id] = _Tracked(answer, prompt_len=len(prompt), stored_blocks=stored)
         return answer
 
     def matched_tokens(
@@ -342,7 +348,7 @@ class PagedScheduler:
             return
         full = min(computed, len(tokens)) // BLOCK_TOKENS
         full = min(full, len(tracked.tables[self._full]))
-        first = tracked.saved_blocks
+        first = max(tracked.saved_blocks, tracked.stored_blocks)
         state = self._state_to_save(request_id, tracked, tokens, before, full)
         if full <= first and state is None:
             return

@@ -1,9 +1,10 @@
 """The docs/rules.md §5 plan over both tiers: the block run, the one SWA state it needs,
 the lease, advice.
 
-1. Block keys come from the caller or from the prompt's token ids (``kvstore.keys``). Only the
-   blocks inside the cap (L − 134) are asked about: a block beyond it can never be part of a hit,
-   so it is neither looked up nor leased.
+1. Block keys come from the caller or from the prompt's token ids (``kvstore.keys``). A block
+   beyond the cap (L − 134) can never be part of a hit; the prompt's full blocks past it are
+   looked up in the same call all the same, so the answer can say how many the tier holds
+   (``stored_blocks``): the engine computes them and need not save them again.
 2. The block tier answers the leading run of consecutive committed+readable blocks and a lease
    that keeps them from being evicted while the engine reads them.
 3. The SWA directory is asked about exactly one key: the block ending at L1 (the state covering
@@ -100,7 +101,7 @@ class HitResult:
     tier when it has read the blocks (or gives up)."""
 
     plan: HitPlan
-    #: The keys looked up (the blocks within the cap), as (n, 4) uint64 words.
+    #: The keys looked up (the prompt's full blocks), as (n, 4) uint64 words.
     keys: np.ndarray
     #: Key of the SWA state looked for (the block ending at L1); None when L1 = 0.
     swa_key: BlockKey | None
@@ -109,7 +110,7 @@ class HitResult:
     advice: Advice | None
     #: The plan to follow if the state cannot be fetched after all (present when found).
     miss_plan: HitPlan | None
-    #: Blocks leased (the leading run within the cap) and the lease itself.
+    #: Blocks leased (the leading run of stored blocks, past the cap too) and the lease.
     leased_blocks: int
     lease: Any
 
@@ -129,6 +130,7 @@ class HitResult:
             replay_seconds=advice.replay_s if advice is not None else 0.0,
             lease_id=lease_id,
             hit_keys=self.hit_words,
+            stored_blocks=self.leased_blocks,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -209,8 +211,11 @@ class HitQuery:
         answer, so the same rule runs from a thread and from an asyncio loop."""
         prompt_len, mode = request.prompt_len, request.mode
         cap = hit_cap(prompt_len, geometry=self._geometry, mode=mode)
-        # Blocks past the cap can never hit: neither hashed, nor looked up, nor leased.
-        keys = request.words(self._fingerprint, cap // self._geometry.block_tokens)
+        # Blocks past the cap can never hit, yet the prompt's full blocks past it are looked up
+        # in the same call: the engine computes them, and need not save again what the tier
+        # holds (``stored_blocks``). With no block inside the cap nothing is looked up.
+        block = self._geometry.block_tokens
+        keys = request.words(self._fingerprint, prompt_len // block if cap >= block else 0)
         # Each key would take a lease of its own: a repeated key is refused, not leased twice.
         repeat = repeated_key(keys)
         if repeat is not None:

@@ -298,6 +298,9 @@ class HitAnswer:
     #: The median prefill rate engines of this tenant reported for this layout, tokens per
     #: second (0: none reported): a fresh engine's compute estimate (``kvstore.engine.worth``).
     prefill_tokens_per_s: float = 0.0
+    #: How many of the prompt's full blocks, from its start, the tier holds (past the cap too:
+    #: the engine computes those and need not save them again); 0: none, or not looked up.
+    stored_blocks: int = 0
 
     @property
     def hit_block_keys(self) -> tuple[BlockKey, ...]:

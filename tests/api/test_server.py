@@ -77,6 +77,14 @@ def test_every_rpc_round_trips(running: RunningService, client: KVStoreClient) -
     assert list(answer.hit_block_keys) == keys[:7]
     reads = client.get_blocks(list(answer.hit_block_keys), lease_id=answer.lease_id)
     assert [read.payload for read in reads] == payloads[:7]
+    # Past the cap: the 8th block never hits a prompt of 8 blocks + 50 tokens (134 are always
+    # computed), and the answer says the tier holds it (the engine does not save it again).
+    capped = client.query_hit(
+        HitRequest(
+            block_keys=keys[:8], prompt_len=8 * 128 + 50, traffic_class="agent", take_lease=False
+        )
+    )
+    assert capped.plan.block_hit_tokens == 7 * 128 and capped.stored_blocks == 8
 
     state = np.random.default_rng(5).bytes(running.tier.state_size)
     owner = client.put_swa_state(keys[7], 1024, state)

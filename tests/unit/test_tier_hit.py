@@ -154,12 +154,15 @@ def test_full_run_with_state_found_hits_l1_and_names_the_owner() -> None:
         assert (plan.replay_start, plan.replay_tokens, plan.compute_from) == (None, 0, 768)
         assert plan.store_at == 896  # floor(999 / 128) * 128
         assert result.swa_owner == M1 and result.swa_key == keys[5]
-        assert result.leased_blocks == 6 and result.lease.keys == tuple(keys[:6])
+        # The 7th block never hits (past the cap) but is looked up with the run: it is stored.
+        assert result.leased_blocks == 7 and result.lease.keys == tuple(keys[:7])
+        assert result.answer(None).stored_blocks == 7
         assert result.advice is not None and result.advice.owner_machine == "m1"
         assert not result.advice.local
         assert result.miss_plan is not None and not result.miss_plan.swa_hit
-    # Only the 6 blocks inside the cap were asked about (and leased), never the 7th.
-    assert blocks.asked == [6, 6]
+    # The 6 blocks inside the cap and the 7th past it were asked about (all leased with the
+    # run): the 7th never hits, and the answer says it is stored.
+    assert blocks.asked == [7, 7]
     assert states.asked == [(keys[5], 6 * 128, "m0")] * 2
 
 
@@ -171,7 +174,7 @@ def test_state_missing_backs_off_one_block_in_standard_mode() -> None:
     assert not plan.swa_hit and plan.swa_position == 768
     assert (plan.replay_start, plan.replay_tokens) == (None, 0)
     assert result.swa_owner is None and result.advice is None and result.miss_plan is None
-    assert result.leased_blocks == 6
+    assert result.leased_blocks == 7
 
 
 def test_state_missing_replays_128_tokens_in_bounded_replay_mode() -> None:
@@ -219,7 +222,7 @@ def test_a_128k_prompt_with_1000_cached_blocks() -> None:
     prompt_len = 131_072  # 1,024 full blocks; cap 130,938 → 1,022 blocks
     query, blocks, _, keys = setup(prompt_len, 1000, {1000 * 128: M1})
     result = query.query_hit(keys, prompt_len, "standard")
-    assert blocks.asked == [1022]
+    assert blocks.asked == [1024]  # every full block (the 2 past the cap: stored_blocks)
     assert (result.plan.block_hit_tokens, result.plan.hit_tokens) == (128_000, 128_000)
     assert result.plan.swa_hit and result.swa_key == keys[999]
     bounded = query.query_hit(keys, prompt_len, "bounded-replay")
@@ -231,7 +234,7 @@ def test_token_ids_give_the_same_plan_as_their_block_keys() -> None:
     by_tokens = query.query_hit(tokens(1000), 1000, "standard")
     by_keys = query.query_hit(keys, 1000, "standard")
     assert by_tokens.plan == by_keys.plan
-    assert by_tokens.lease.keys == tuple(keys[:6])
+    assert by_tokens.lease.keys == tuple(keys[:7])
     assert query.query_hit(list(tokens(1000)), 1000).plan == by_keys.plan
 
 
@@ -293,7 +296,7 @@ def test_a_block_tier_answering_nonsense_is_an_error_and_releases() -> None:
         return Pending.done((len(keys) + 1, lease))
 
     blocks.lookup = nonsense  # type: ignore[method-assign]
-    with pytest.raises(StoreError, match="answered 7 blocks for 6 keys"):
+    with pytest.raises(StoreError, match="answered 8 blocks for 7 keys"):
         query.query_hit(keys, 1000)
     assert blocks.released == blocks.leases
 

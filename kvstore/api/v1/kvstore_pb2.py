@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"G\n\x06Layout\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x03\x12\x13\n\x0bstate_bytes\x18\x03 \x01(\x03\"\x87\x02\n\x0fQueryHitRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\nblock_keys\x18\x02 \x03(\x0c\x12\x12\n\nprompt_len\x18\x03 \x01(\x03\x12!\n\x04mode\x18\x04 \x01(\x0e\x32\x13.kvstore.v1.HitMode\x12\x15\n\rtraffic_class\x18\x05 \x01(\t\x12\x12\n\ntake_lease\x18\x06 \x01(\x08\x12\x19\n\x11\x62lock_keys_packed\x18\x07 \x01(\x0c\x12\"\n\x06layout\x18\x08 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0e\n\x06\x64irect\x18\t \x01(\x08\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x01\"\xe7\x01\n\x07HitPlan\x12\x12\n\nprompt_len\x18\x01 \x01(\x03\x12\x0b\n\x03\x63\x61p\x18\x02 \x01(\x03\x12\x18\n\x10\x62lock_hit_tokens\x18\x03 \x01(\x03\x12\x12\n\nhit_tokens\x18\x04 \x01(\x03\x12\x0f\n\x07swa_hit\x18\x05 \x01(\x08\x12\x14\n\x0cswa_position\x18\x06 \x01(\x03\x12\x11\n\tswa_owner\x18\x07 \x01(\t\x12\x14\n\x0creplay_start\x18\x08 \x01(\x03\x12\x15\n\rreplay_tokens\x18\t \x01(\x03\x12\x14\n\x0c\x63ompute_from\x18\n \x01(\x03\x12\x10\n\x08store_at\x18\x0b \x01(\x03\"\x97\x02\n\x10QueryHitResponse\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.HitPlan\x12\"\n\x06\x61\x64vice\x18\x02 \x01(\x0e\x32\x12.kvstore.v1.Advice\x12\x15\n\rfetch_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ereplay_seconds\x18\x04 \x01(\x01\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x16\n\x0ehit_block_keys\x18\x06 \x03(\x0c\x12\x1d\n\x15hit_block_keys_packed\x18\x07 \x01(\x0c\x12&\n\x06\x64irect\x18\x08 \x01(\x0b\x32\x16.kvstore.v1.DirectRead\x12\x1c\n\x14prefill_tokens_per_s\x18\t \x01(\x01\";\n\x0cReadEndpoint\x12\x0f\n\x07node_id\x18\x01 \x01(\r\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\"\xa1\x01\n\nDirectRead\x12\x12\n\ncapability\x18\x01 \x01(\x0c\x12\x19\n\x11\x62lock_keys_packed\x18\x02 \x01(\x0c\x12\x12\n\nplacements\x18\x03 \x01(\x0c\x12\r\n\x05sizes\x18\x04 \x01(\x0c\x12+\n\tendpoints\x18\x05 \x03(\x0b\x32\x18.kvstore.v1.ReadEndpoint\x12\t\n\x01k\x18\x06 \x01(\r\x12\t\n\x01m\x18\x07 \x01(\r\"%\n\x05\x42lock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\x80\x01\n\x10PutBlocksRequest\x12!\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x11.kvstore.v1.Block\x12\x15\n\rtraffic_class\x18\x02 \x01(\t\x12\x0e\n\x06shared\x18\x03 \x01(\x08\x12\"\n\x06layout\x18\x04 \x01(\x0b\x32\x12.kvstore.v1.Layout\"`\n\x11PutBlocksResponse\x12\x11\n\tcommitted\x18\x01 \x01(\x03\x12\x13\n\x0b\x66\x61iled_keys\x18\x02 \x03(\x0c\x12\x10\n\x08\x65xisting\x18\x03 \x01(\x03\x12\x11\n\tbusy_keys\x18\x04 \x03(\x0c\"V\n\x10GetBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.kvstore.v1.Layout\"g\n\x11GetBlocksResponse\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x13\n\x0bmiss_reason\x18\x04 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x05 \x01(\x08\"\x87\x01\n\x12PutSWAStateRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x10\n\x08position\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\x0c\x12\x0f\n\x07machine\x18\x04 \x01(\t\x12\x0e\n\x06shared\x18\x05 \x01(\x08\x12\"\n\x06layout\x18\x06 \x01(\x0b\x32\x12.kvstore.v1.Layout\"$\n\x13PutSWAStateResponse\x12\r\n\x05owner\x18\x01 \x01(\t\"W\n\x12GetSWAStateRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x10\n\x08position\x18\x02 \x01(\x03\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.kvstore.v1.Layout\"W\n\x13GetSWAStateResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05state\x18\x02 \x01(\x0c\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x13\n\x0bmiss_reason\x18\x04 \x01(\t\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xe6\x01\n\nClassStats\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x0f\n\x07lookups\x18\x02 \x01(\x03\x12\x12\n\nhit_blocks\x18\x03 \x01(\x03\x12\x13\n\x0bmiss_blocks\x18\x04 \x01(\x03\x12=\n\x0cmiss_reasons\x18\x05 \x03(\x0b\x32\'.kvstore.v1.ClassStats.MissReasonsEntry\x12\x14\n\x0cstored_bytes\x18\x06 \x01(\x03\x1a\x32\n\x10MissReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xf9\x01\n\x10GetStatsResponse\x12\'\n\x07\x63lasses\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.ClassStats\x12\x1a\n\x12\x62lock_bytes_stored\x18\x02 \x01(\x03\x12\x18\n\x10swa_bytes_stored\x18\x03 \x01(\x03\x12\x16\n\x0e\x64\x65graded_reads\x18\x04 \x01(\x03\x12\x14\n\x0crepairs_done\x18\x05 \x01(\x03\x12\x17\n\x0frepairs_pending\x18\x06 \x01(\x03\x12\x1a\n\x12live_storage_nodes\x18\x07 \x01(\x03\x12\x15\n\rstorage_nodes\x18\x08 \x01(\x03\x12\x0c\n\x04json\x18\t \x01(\t*\x8f\x01\n\x07HitMode\x12\x18\n\x14HIT_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11HIT_MODE_STANDARD\x10\x01\x12\x1b\n\x17HIT_MODE_BOUNDED_REPLAY\x10\x02\x12\x1b\n\x17HIT_MODE_FULL_ATTENTION\x10\x03\x12\x19\n\x15HIT_MODE_EXACT_WINDOW\x10\x04*E\n\x06\x41\x64vice\x12\x16\n\x12\x41\x44VICE_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x41\x44VICE_FETCH\x10\x01\x12\x11\n\rADVICE_REPLAY\x10\x02\x32\xa2\x04\n\x07KVStore\x12\x45\n\x08QueryHit\x12\x1b.kvstore.v1.QueryHitRequest\x1a\x1c.kvstore.v1.QueryHitResponse\x12J\n\tPutBlocks\x12\x1c.kvstore.v1.PutBlocksRequest\x1a\x1d.kvstore.v1.PutBlocksResponse(\x01\x12J\n\tGetBlocks\x12\x1c.kvstore.v1.GetBlocksRequest\x1a\x1d.kvstore.v1.GetBlocksResponse0\x01\x12N\n\x0bPutSWAState\x12\x1e.kvstore.v1.PutSWAStateRequest\x1a\x1f.kvstore.v1.PutSWAStateResponse\x12N\n\x0bGetSWAState\x12\x1e.kvstore.v1.GetSWAStateRequest\x1a\x1f.kvstore.v1.GetSWAStateResponse\x12Q\n\x0cReleaseLease\x12\x1f.kvstore.v1.ReleaseLeaseRequest\x1a .kvstore.v1.ReleaseLeaseResponse\x12\x45\n\x08GetStats\x12\x1b.kvstore.v1.GetStatsRequest\x1a\x1c.kvstore.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"G\n\x06Layout\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x03\x12\x13\n\x0bstate_bytes\x18\x03 \x01(\x03\"\x87\x02\n\x0fQueryHitRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\nblock_keys\x18\x02 \x03(\x0c\x12\x12\n\nprompt_len\x18\x03 \x01(\x03\x12!\n\x04mode\x18\x04 \x01(\x0e\x32\x13.kvstore.v1.HitMode\x12\x15\n\rtraffic_class\x18\x05 \x01(\t\x12\x12\n\ntake_lease\x18\x06 \x01(\x08\x12\x19\n\x11\x62lock_keys_packed\x18\x07 \x01(\x0c\x12\"\n\x06layout\x18\x08 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0e\n\x06\x64irect\x18\t \x01(\x08\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x01\"\xe7\x01\n\x07HitPlan\x12\x12\n\nprompt_len\x18\x01 \x01(\x03\x12\x0b\n\x03\x63\x61p\x18\x02 \x01(\x03\x12\x18\n\x10\x62lock_hit_tokens\x18\x03 \x01(\x03\x12\x12\n\nhit_tokens\x18\x04 \x01(\x03\x12\x0f\n\x07swa_hit\x18\x05 \x01(\x08\x12\x14\n\x0cswa_position\x18\x06 \x01(\x03\x12\x11\n\tswa_owner\x18\x07 \x01(\t\x12\x14\n\x0creplay_start\x18\x08 \x01(\x03\x12\x15\n\rreplay_tokens\x18\t \x01(\x03\x12\x14\n\x0c\x63ompute_from\x18\n \x01(\x03\x12\x10\n\x08store_at\x18\x0b \x01(\x03\"\xae\x02\n\x10QueryHitResponse\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.HitPlan\x12\"\n\x06\x61\x64vice\x18\x02 \x01(\x0e\x32\x12.kvstore.v1.Advice\x12\x15\n\rfetch_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ereplay_seconds\x18\x04 \x01(\x01\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x16\n\x0ehit_block_keys\x18\x06 \x03(\x0c\x12\x1d\n\x15hit_block_keys_packed\x18\x07 \x01(\x0c\x12&\n\x06\x64irect\x18\x08 \x01(\x0b\x32\x16.kvstore.v1.DirectRead\x12\x1c\n\x14prefill_tokens_per_s\x18\t \x01(\x01\x12\x15\n\rstored_blocks\x18\n \x01(\r\";\n\x0cReadEndpoint\x12\x0f\n\x07node_id\x18\x01 \x01(\r\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\"\xa1\x01\n\nDirectRead\x12\x12\n\ncapability\x18\x01 \x01(\x0c\x12\x19\n\x11\x62lock_keys_packed\x18\x02 \x01(\x0c\x12\x12\n\nplacements\x18\x03 \x01(\x0c\x12\r\n\x05sizes\x18\x04 \x01(\x0c\x12+\n\tendpoints\x18\x05 \x03(\x0b\x32\x18.kvstore.v1.ReadEndpoint\x12\t\n\x01k\x18\x06 \x01(\r\x12\t\n\x01m\x18\x07 \x01(\r\"%\n\x05\x42lock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\x80\x01\n\x10PutBlocksRequest\x12!\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x11.kvstore.v1.Block\x12\x15\n\rtraffic_class\x18\x02 \x01(\t\x12\x0e\n\x06shared\x18\x03 \x01(\x08\x12\"\n\x06layout\x18\x04 \x01(\x0b\x32\x12.kvstore.v1.Layout\"`\n\x11PutBlocksResponse\x12\x11\n\tcommitted\x18\x01 \x01(\x03\x12\x13\n\x0b\x66\x61iled_keys\x18\x02 \x03(\x0c\x12\x10\n\x08\x65xisting\x18\x03 \x01(\x03\x12\x11\n\tbusy_keys\x18\x04 \x03(\x0c\"V\n\x10GetBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.kvstore.v1.Layout\"g\n\x11GetBlocksResponse\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x13\n\x0bmiss_reason\x18\x04 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x05 \x01(\x08\"\x87\x01\n\x12PutSWAStateRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x10\n\x08position\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\x0c\x12\x0f\n\x07machine\x18\x04 \x01(\t\x12\x0e\n\x06shared\x18\x05 \x01(\x08\x12\"\n\x06layout\x18\x06 \x01(\x0b\x32\x12.kvstore.v1.Layout\"$\n\x13PutSWAStateResponse\x12\r\n\x05owner\x18\x01 \x01(\t\"W\n\x12GetSWAStateRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x10\n\x08position\x18\x02 \x01(\x03\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.kvstore.v1.Layout\"W\n\x13GetSWAStateResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05state\x18\x02 \x01(\x0c\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x13\n\x0bmiss_reason\x18\x04 \x01(\t\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xe6\x01\n\nClassStats\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x0f\n\x07lookups\x18\x02 \x01(\x03\x12\x12\n\nhit_blocks\x18\x03 \x01(\x03\x12\x13\n\x0bmiss_blocks\x18\x04 \x01(\x03\x12=\n\x0cmiss_reasons\x18\x05 \x03(\x0b\x32\'.kvstore.v1.ClassStats.MissReasonsEntry\x12\x14\n\x0cstored_bytes\x18\x06 \x01(\x03\x1a\x32\n\x10MissReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xf9\x01\n\x10GetStatsResponse\x12\'\n\x07\x63lasses\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.ClassStats\x12\x1a\n\x12\x62lock_bytes_stored\x18\x02 \x01(\x03\x12\x18\n\x10swa_bytes_stored\x18\x03 \x01(\x03\x12\x16\n\x0e\x64\x65graded_reads\x18\x04 \x01(\x03\x12\x14\n\x0crepairs_done\x18\x05 \x01(\x03\x12\x17\n\x0frepairs_pending\x18\x06 \x01(\x03\x12\x1a\n\x12live_storage_nodes\x18\x07 \x01(\x03\x12\x15\n\rstorage_nodes\x18\x08 \x01(\x03\x12\x0c\n\x04json\x18\t \x01(\t*\x8f\x01\n\x07HitMode\x12\x18\n\x14HIT_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11HIT_MODE_STANDARD\x10\x01\x12\x1b\n\x17HIT_MODE_BOUNDED_REPLAY\x10\x02\x12\x1b\n\x17HIT_MODE_FULL_ATTENTION\x10\x03\x12\x19\n\x15HIT_MODE_EXACT_WINDOW\x10\x04*E\n\x06\x41\x64vice\x12\x16\n\x12\x41\x44VICE_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x41\x44VICE_FETCH\x10\x01\x12\x11\n\rADVICE_REPLAY\x10\x02\x32\xa2\x04\n\x07KVStore\x12\x45\n\x08QueryHit\x12\x1b.kvstore.v1.QueryHitRequest\x1a\x1c.kvstore.v1.QueryHitResponse\x12J\n\tPutBlocks\x12\x1c.kvstore.v1.PutBlocksRequest\x1a\x1d.kvstore.v1.PutBlocksResponse(\x01\x12J\n\tGetBlocks\x12\x1c.kvstore.v1.GetBlocksRequest\x1a\x1d.kvstore.v1.GetBlocksResponse0\x01\x12N\n\x0bPutSWAState\x12\x1e.kvstore.v1.PutSWAStateRequest\x1a\x1f.kvstore.v1.PutSWAStateResponse\x12N\n\x0bGetSWAState\x12\x1e.kvstore.v1.GetSWAStateRequest\x1a\x1f.kvstore.v1.GetSWAStateResponse\x12Q\n\x0cReleaseLease\x12\x1f.kvstore.v1.ReleaseLeaseRequest\x1a .kvstore.v1.ReleaseLeaseResponse\x12\x45\n\x08GetStats\x12\x1b.kvstore.v1.GetStatsRequest\x1a\x1c.kvstore.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CLASSSTATS_MISSREASONSENTRY']._loaded_options = None
   _globals['_CLASSSTATS_MISSREASONSENTRY']._serialized_options = b'8\001'
-  _globals['_HITMODE']._serialized_start=2523
-  _globals['_HITMODE']._serialized_end=2666
-  _globals['_ADVICE']._serialized_start=2668
-  _globals['_ADVICE']._serialized_end=2737
+  _globals['_HITMODE']._serialized_start=2546
+  _globals['_HITMODE']._serialized_end=2689
+  _globals['_ADVICE']._serialized_start=2691
+  _globals['_ADVICE']._serialized_end=2760
   _globals['_LAYOUT']._serialized_start=40
   _globals['_LAYOUT']._serialized_end=111
   _globals['_QUERYHITREQUEST']._serialized_start=114
@@ -44,41 +44,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HITPLAN']._serialized_start=380
   _globals['_HITPLAN']._serialized_end=611
   _globals['_QUERYHITRESPONSE']._serialized_start=614
-  _globals['_QUERYHITRESPONSE']._serialized_end=893
-  _globals['_READENDPOINT']._serialized_start=895
-  _globals['_READENDPOINT']._serialized_end=954
-  _globals['_DIRECTREAD']._serialized_start=957
-  _globals['_DIRECTREAD']._serialized_end=1118
-  _globals['_BLOCK']._serialized_start=1120
-  _globals['_BLOCK']._serialized_end=1157
-  _globals['_PUTBLOCKSREQUEST']._serialized_start=1160
-  _globals['_PUTBLOCKSREQUEST']._serialized_end=1288
-  _globals['_PUTBLOCKSRESPONSE']._serialized_start=1290
-  _globals['_PUTBLOCKSRESPONSE']._serialized_end=1386
-  _globals['_GETBLOCKSREQUEST']._serialized_start=1388
-  _globals['_GETBLOCKSREQUEST']._serialized_end=1474
-  _globals['_GETBLOCKSRESPONSE']._serialized_start=1476
-  _globals['_GETBLOCKSRESPONSE']._serialized_end=1579
-  _globals['_PUTSWASTATEREQUEST']._serialized_start=1582
-  _globals['_PUTSWASTATEREQUEST']._serialized_end=1717
-  _globals['_PUTSWASTATERESPONSE']._serialized_start=1719
-  _globals['_PUTSWASTATERESPONSE']._serialized_end=1755
-  _globals['_GETSWASTATEREQUEST']._serialized_start=1757
-  _globals['_GETSWASTATEREQUEST']._serialized_end=1844
-  _globals['_GETSWASTATERESPONSE']._serialized_start=1846
-  _globals['_GETSWASTATERESPONSE']._serialized_end=1933
-  _globals['_RELEASELEASEREQUEST']._serialized_start=1935
-  _globals['_RELEASELEASEREQUEST']._serialized_end=1974
-  _globals['_RELEASELEASERESPONSE']._serialized_start=1976
-  _globals['_RELEASELEASERESPONSE']._serialized_end=2016
-  _globals['_GETSTATSREQUEST']._serialized_start=2018
-  _globals['_GETSTATSREQUEST']._serialized_end=2035
-  _globals['_CLASSSTATS']._serialized_start=2038
-  _globals['_CLASSSTATS']._serialized_end=2268
-  _globals['_CLASSSTATS_MISSREASONSENTRY']._serialized_start=2218
-  _globals['_CLASSSTATS_MISSREASONSENTRY']._serialized_end=2268
-  _globals['_GETSTATSRESPONSE']._serialized_start=2271
-  _globals['_GETSTATSRESPONSE']._serialized_end=2520
-  _globals['_KVSTORE']._serialized_start=2740
-  _globals['_KVSTORE']._serialized_end=3286
+  _globals['_QUERYHITRESPONSE']._serialized_end=916
+  _globals['_READENDPOINT']._serialized_start=918
+  _globals['_READENDPOINT']._serialized_end=977
+  _globals['_DIRECTREAD']._serialized_start=980
+  _globals['_DIRECTREAD']._serialized_end=1141
+  _globals['_BLOCK']._serialized_start=1143
+  _globals['_BLOCK']._serialized_end=1180
+  _globals['_PUTBLOCKSREQUEST']._serialized_start=1183
+  _globals['_PUTBLOCKSREQUEST']._serialized_end=1311
+  _globals['_PUTBLOCKSRESPONSE']._serialized_start=1313
+  _globals['_PUTBLOCKSRESPONSE']._serialized_end=1409
+  _globals['_GETBLOCKSREQUEST']._serialized_start=1411
+  _globals['_GETBLOCKSREQUEST']._serialized_end=1497
+  _globals['_GETBLOCKSRESPONSE']._serialized_start=1499
+  _globals['_GETBLOCKSRESPONSE']._serialized_end=1602
+  _globals['_PUTSWASTATEREQUEST']._serialized_start=1605
+  _globals['_PUTSWASTATEREQUEST']._serialized_end=1740
+  _globals['_PUTSWASTATERESPONSE']._serialized_start=1742
+  _globals['_PUTSWASTATERESPONSE']._serialized_end=1778
+  _globals['_GETSWASTATEREQUEST']._serialized_start=1780
+  _globals['_GETSWASTATEREQUEST']._serialized_end=1867
+  _globals['_GETSWASTATERESPONSE']._serialized_start=1869
+  _globals['_GETSWASTATERESPONSE']._serialized_end=1956
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1958
+  _globals['_RELEASELEASEREQUEST']._serialized_end=1997
+  _globals['_RELEASELEASERESPONSE']._serialized_start=1999
+  _globals['_RELEASELEASERESPONSE']._serialized_end=2039
+  _globals['_GETSTATSREQUEST']._serialized_start=2041
+  _globals['_GETSTATSREQUEST']._serialized_end=2058
+  _globals['_CLASSSTATS']._serialized_start=2061
+  _globals['_CLASSSTATS']._serialized_end=2291
+  _globals['_CLASSSTATS_MISSREASONSENTRY']._serialized_start=2241
+  _globals['_CLASSSTATS_MISSREASONSENTRY']._serialized_end=2291
+  _globals['_GETSTATSRESPONSE']._serialized_start=2294
+  _globals['_GETSTATSRESPONSE']._serialized_end=2543
+  _globals['_KVSTORE']._serialized_start=2763
+  _globals['_KVSTORE']._serialized_end=3309
 # @@protoc_insertion_point(module_scope)

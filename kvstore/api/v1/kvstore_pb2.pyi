@@ -90,7 +90,7 @@ class HitPlan(_message.Message):
     def __init__(self, prompt_len: _Optional[int] = ..., cap: _Optional[int] = ..., block_hit_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., swa_hit: _Optional[bool] = ..., swa_position: _Optional[int] = ..., swa_owner: _Optional[str] = ..., replay_start: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., compute_from: _Optional[int] = ..., store_at: _Optional[int] = ...) -> None: ...
 
 class QueryHitResponse(_message.Message):
-    __slots__ = ("plan", "advice", "fetch_seconds", "replay_seconds", "lease_id", "hit_block_keys", "hit_block_keys_packed", "direct", "prefill_tokens_per_s")
+    __slots__ = ("plan", "advice", "fetch_seconds", "replay_seconds", "lease_id", "hit_block_keys", "hit_block_keys_packed", "direct", "prefill_tokens_per_s", "stored_blocks")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     ADVICE_FIELD_NUMBER: _ClassVar[int]
     FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class QueryHitResponse(_message.Message):
     HIT_BLOCK_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     plan: HitPlan
     advice: Advice
     fetch_seconds: float
@@ -109,7 +110,8 @@ class QueryHitResponse(_message.Message):
     hit_block_keys_packed: bytes
     direct: DirectRead
     prefill_tokens_per_s: float
-    def __init__(self, plan: _Optional[_Union[HitPlan, _Mapping]] = ..., advice: _Optional[_Union[Advice, str]] = ..., fetch_seconds: _Optional[float] = ..., replay_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ..., hit_block_keys: _Optional[_Iterable[bytes]] = ..., hit_block_keys_packed: _Optional[bytes] = ..., direct: _Optional[_Union[DirectRead, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    stored_blocks: int
+    def __init__(self, plan: _Optional[_Union[HitPlan, _Mapping]] = ..., advice: _Optional[_Union[Advice, str]] = ..., fetch_seconds: _Optional[float] = ..., replay_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ..., hit_block_keys: _Optional[_Iterable[bytes]] = ..., hit_block_keys_packed: _Optional[bytes] = ..., direct: _Optional[_Union[DirectRead, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ..., stored_blocks: _Optional[int] = ...) -> None: ...
 
 class ReadEndpoint(_message.Message):
     __slots__ = ("node_id", "host", "port")
