@@ -11,17 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static int
-contiguous(PyObject *object, Py_buffer *view, int writable, const char *name)
-{
-    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(object, view, flags) < 0) {
-        PyErr_Format(PyExc_TypeError, "%s: must be a C-contiguous%s buffer", name,
-                     writable ? " writable" : "");
-        return -1;
-    }
-    return 0;
-}
+#include "_buffers.h"
 
 static PyObject *
 find_rows(PyObject *self, PyObject *args)

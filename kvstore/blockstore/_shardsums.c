@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_buffers.h"
+
 typedef void *(*create_state_fn)(void);
 typedef int (*free_state_fn)(void *);
 typedef int (*reset_fn)(void *);
@@ -34,18 +36,6 @@ static digest_fn digest;
 #define HEADER_BYTES 64
 #define CHECKED_FROM 8
 static const uint8_t ZEROS[4096];
-
-static int
-contiguous(PyObject *object, Py_buffer *view, int writable, const char *name)
-{
-    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(object, view, flags) < 0) {
-        PyErr_Format(PyExc_TypeError, "%s: must be a C-contiguous%s buffer", name,
-                     writable ? " writable" : "");
-        return -1;
-    }
-    return 0;
-}
 
 static uint64_t
 load_be64(const uint8_t *p)
