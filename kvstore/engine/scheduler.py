@@ -66,7 +66,8 @@ class _Tracked:
     tables: list[list[int]] = field(default_factory=list)
     saved_blocks: int = -1  # blocks known to be in the tier or handed to a save; -1: not yet
     #: The prompt's leading full blocks the tier said it holds (past the hit's cap too): the
-    #: engine computes those it does not load, and saves none of them again.
+    #: engine computes those it does not load, and saves none of them again. Kept apart from
+    #: ``saved_blocks``, which also says from where a hybrid model's window states are due.
     stored_blocks: int = 0
     stepped_to: int = -1  # tokens of KV after the last planned step; -1: none planned yet
     saves_emitted: int = 0
