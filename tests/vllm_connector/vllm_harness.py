@@ -122,11 +122,21 @@ GEMMA = TinyGemma3(layers=6)
 
 
 def assert_same_outputs(got: dict, want: dict, what: str) -> None:
-    for index, (mine, theirs) in enumerate(zip(got["results"], want["results"], strict=True)):
-        assert mine["tokens"] == theirs["tokens"], f"{what}: prompt {index} tokens differ"
-        assert mine["logprobs"] == pytest.approx(theirs["logprobs"], abs=1e-4), (
-            f"{what}: prompt {index} logprobs differ"
-        )
+    pairs = list(zip(got["results"], want["results"], strict=True))
+    differ = [
+        index
+        for index, (mine, theirs) in enumerate(pairs)
+        if mine["tokens"] != theirs["tokens"]
+        or mine["logprobs"] != pytest.approx(theirs["logprobs"], abs=1e-4)
+    ]
+    # On a failure, every prompt's outcome: which differ, by how much, and what the worker had
+    # done by the end of each (a prompt without a hit that differs points outside its own load).
+    assert not differ, f"{what}: prompts {differ} differ\n" + "\n".join(
+        f"  prompt {index}: tokens {mine['tokens']} vs {theirs['tokens']}, logprobs off by "
+        f"{[round(a - b, 6) for a, b in zip(mine['logprobs'], theirs['logprobs'], strict=False)]}"
+        f", cached {mine['num_cached_tokens']}, worker {mine.get('worker')}"
+        for index, (mine, theirs) in enumerate(pairs)
+    )
 
 
 def shard_records(tier: TierProcess, engine: dict, key: bytes) -> list[tuple[str, int, int]]:
