@@ -22,7 +22,7 @@ from kvstore.errors import ConfigError
 from kvstore.gc.config import DEFAULT_PATH as GC_DEFAULT_PATH
 from kvstore.gc.config import GCConfig
 from kvstore.geometry import GeometryConfig
-from kvstore.swa.config import SWAConfig
+from kvstore.swa.config import SWAConfig, deployment_swa_name
 
 
 def default_gc_config() -> GCConfig:
@@ -108,7 +108,10 @@ class ServiceConfig:
             geometry = GeometryConfig.from_env(env)
             mine["geometry"] = geometry if preset is None else geometry.replace(preset=preset)
         if "swa" not in mine:
-            mine["swa"] = from_env(SWAConfig, "KVSTORE_SWA_", env)
+            swa = from_env(SWAConfig, "KVSTORE_SWA_", env)
+            if not env.get("KVSTORE_SWA_NAME"):
+                swa = dataclasses.replace(swa, name=deployment_swa_name(block["deployment"]))
+            mine["swa"] = swa
         if "gc" not in mine and env.get("KVSTORE_GC_FILE"):
             mine["gc"] = GCConfig.from_file(env["KVSTORE_GC_FILE"])
         from_environment = env_values(BlockStoreConfig, "KVSTORE_BLOCKSTORE_", env)

@@ -37,7 +37,7 @@ from kvstore.runtime.deploy import BlockStoreHandles, deploy_blockstore, node_da
 from kvstore.runtime.swa_actors import SWADeployment, deploy_swa, store_actor_name
 from kvstore.runtime.tiers import cluster_tier
 from kvstore.swa.client import SWAClient
-from kvstore.swa.config import SWAConfig
+from kvstore.swa.config import SWAConfig, deployment_swa_name
 from kvstore.tier.cluster import ClusterTier
 from kvstore.tier.protocols import TierReader, TierWriter
 from kvstore.tier.records import PutAnswer
@@ -182,7 +182,7 @@ class ChaosConfig:
 
     def swa(self, geometry: GeometryConfig) -> SWAConfig:
         return SWAConfig(
-            name=self.deployment.replace("-", "_") + "_swa",
+            name=deployment_swa_name(self.deployment),
             capacity_bytes=self.swa_capacity_states * int(geometry.state_size_to_disk),
             num_entrypoints=self.swa_entrypoints,
             heartbeat_interval_s=self.swa_heartbeat_s,

@@ -100,6 +100,18 @@ def find_actor(name: str) -> Any:
         return None
 
 
+def wait_names_released(names: Sequence[str], what: str, timeout_s: float = 30.0) -> None:
+    """After ``ray.kill``: wait until no actor answers to ``names`` (Ray releases a killed
+    actor's name asynchronously, so a redeploy right after would find it taken); warns and
+    returns when ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while any(find_actor(name) is not None for name in names):
+        if time.monotonic() > deadline:
+            log.warning("%s actors still registered after shutdown", what)
+            return
+        time.sleep(0.05)
+
+
 def name_resolver(deployment: str) -> Any:
     def resolve(target: Target[Any]) -> Any:
         kind, ident = target

@@ -45,6 +45,7 @@ from kvstore.runtime.blockstore_actors import (
     name_resolver,
     node_actor_name,
     repair_actor_name,
+    wait_names_released,
 )
 from kvstore.runtime.cluster import (
     Machines,
@@ -219,16 +220,10 @@ class BlockStoreHandles:
                 ray.kill(handle, no_restart=True)
             except (RayError, ValueError):
                 pass
-        # Names are released asynchronously; wait so a redeploy can reuse them.
         names = [node_actor_name(self.config.deployment, i) for i in self.nodes]
         names += [meta_actor_name(self.config.deployment, i) for i in range(len(self.metas))]
         names.append(repair_actor_name(self.config.deployment))
-        deadline = time.monotonic() + 30
-        while any(find_actor(name) is not None for name in names):
-            if time.monotonic() > deadline:
-                log.warning("block store actors still registered after shutdown")
-                return
-            time.sleep(0.05)
+        wait_names_released(names, "block store")
 
 
 def _start_node(

@@ -41,7 +41,7 @@ from kvstore.fastcall.server import FastCallServer
 from kvstore.fastcall.tls import tls_env_options
 from kvstore.keys import BlockKey
 from kvstore.pending import Pending
-from kvstore.runtime.blockstore_actors import find_actor
+from kvstore.runtime.blockstore_actors import find_actor, wait_names_released
 from kvstore.runtime.cluster import pin_to_node
 from kvstore.runtime.fanout import RayFanout
 from kvstore.runtime.forwards import forwards
@@ -362,6 +362,7 @@ class SWADeployment(SWALayout):
             except (ValueError, ray.exceptions.RayError):
                 continue
         self.handles.clear()
+        wait_names_released(names, "SWA tier")
 
     def layout(self) -> SWALayout:
         """The plain layout (no Ray methods): what an engine's fetcher process needs."""

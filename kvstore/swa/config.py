@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,6 +32,16 @@ def _positive_number(name: str, value: object) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(name, f"must be a positive finite number, got {value!r}")
     return float(value)
+
+
+#: What an actor-name prefix may hold (a block tier deployment's name fits).
+_ACTOR_PREFIX = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def deployment_swa_name(deployment: str) -> str:
+    """The SWA actors' name prefix of a deployment: two deployments on one Ray cluster must
+    not answer to each other's names (the block tier's actors carry the deployment's name too)."""
+    return f"{deployment}-swa"
 
 
 @dataclass(frozen=True)
@@ -66,8 +77,9 @@ class SWAConfig:
     estimate_alpha: float = 0.2
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or not self.name.isidentifier():
-            raise ConfigError("name", f"must be a non-empty identifier, got {self.name!r}")
+        # A prefix of Ray actor names, like a block tier deployment's (which it follows).
+        if not isinstance(self.name, str) or not _ACTOR_PREFIX.fullmatch(self.name):
+            raise ConfigError("name", f"must be letters, digits, '-' and '_', got {self.name!r}")
         if self.capacity_bytes is not None and (
             isinstance(self.capacity_bytes, bool)
             or not isinstance(self.capacity_bytes, int)

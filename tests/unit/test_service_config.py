@@ -99,3 +99,19 @@ def test_the_block_size_the_tier_accepts_can_be_set_for_an_engine_of_its_own(tmp
     with pytest.raises(ConfigError) as bad:
         ServiceConfig.from_env({}, data_root=tmp_path, block_bytes=0)
     assert bad.value.field == "block_bytes"
+
+
+def test_each_deployments_swa_actors_carry_its_name(tmp_path: Path) -> None:
+    """Two deployments on one Ray cluster (tests, benchmarks, tenants of a fleet) must not
+    answer to each other's SWA actor names: the prefix follows the deployment unless set."""
+    names = {
+        deployment: ServiceConfig.from_env({}, data_root=tmp_path, deployment=deployment).swa.name
+        for deployment in ("kvstore", "bench-a", "bench-b")
+    }
+    assert names == {"kvstore": "kvstore-swa", "bench-a": "bench-a-swa", "bench-b": "bench-b-swa"}
+    chosen = ServiceConfig.from_env({"KVSTORE_SWA_NAME": "mine"}, data_root=tmp_path)
+    assert chosen.swa.name == "mine"
+    numbered = ServiceConfig.from_env({}, data_root=tmp_path, deployment="2nd-fleet")
+    assert numbered.swa.name == "2nd-fleet-swa"
+    with pytest.raises(ConfigError, match="name"):
+        SWAConfig(name="two words")
