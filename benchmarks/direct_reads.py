@@ -13,6 +13,12 @@ run, in alternating order:
   slices of each block, as the engine's staging lays a load out: ``Spread``) with the data
   shards asked stripe position by position and the progress handed on (``on_prefix``), as the
   fetcher does to publish each layer as it arrives; it also reports when layer 0 was in place;
+- direct, into the KV rows: the same read cut per layer into the rows of a CPU engine's KV cache
+  (one array per layer, the request's block ids as rows: ``loads_in_place``, what the fetcher
+  does with ``kvstore.engine.sharedkv``), nothing after the socket;
+- direct + copy into the KV rows: the read into a layer-major staging region, then each
+  layer's span copied into those rows (what a CPU engine did before loads landed in place,
+  ``loads_in_place`` false);
 - get_blocks: the existing client read with the lease, as the gateway does before it streams
   the blocks back (arrays in the client's arena);
 - get_blocks + copy: the same, then each block copied into a staging buffer (what an engine
@@ -94,7 +100,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         read_key = handles.read_key()  # this process is the tier here: it mints
         reader = DirectReader(handles.read_endpoints(), config.data_shards, config.parity_shards)
         staging = np.zeros(args.blocks * size, np.uint8)
-        names = ("direct", "direct, by layer", "get_blocks", "get_blocks + copy")
+        names = (
+            "direct",
+            "direct, by layer",
+            "direct, into the KV rows",
+            "direct + copy into the KV rows",
+            "get_blocks",
+            "get_blocks + copy",
+        )
         seconds: dict[str, list[float]] = {name: [] for name in names}
         mint_s: list[float] = []
         first_layer_s: list[float] = []
@@ -109,6 +122,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         layer_major = expected.reshape(args.blocks, args.layers, slice_bytes).transpose(1, 0, 2)
         layer_major = np.ascontiguousarray(layer_major).reshape(-1)
+        # A CPU engine's KV cache: per layer, rows of one block's slice; the request's rows are
+        # consecutive ids past the start (a fresh request's), as vLLM allocates them.
+        first_row, num_rows = 8, args.blocks + 16
+        kv_rows = np.zeros((args.layers, num_rows, slice_bytes), np.uint8)
+        ids = range(first_row, first_row + args.blocks)
+        into_rows = Spread(
+            tuple(
+                (i * slice_bytes, slice_bytes, i * num_rows * slice_bytes)
+                for i in range(args.layers)
+            ),
+            tuple(ids),
+        )
+        rows_want = layer_major.reshape(args.layers, args.blocks, slice_bytes)
+
+        def into_kv(copy: bool) -> float:
+            kv_rows[:] = 0
+            staging[:] = 0
+            found = client.lookup(keys)
+            assert found.lease is not None and found.hit_blocks == len(keys)
+            capability = mint_for_lease(read_key, found.lease, "bench")
+            blocks = list(found.lease.blocks)
+            began = time.perf_counter()
+            if copy:
+                ok = reader.read_into(capability, blocks, staging, spread=spread)
+                staged = staging.reshape(args.layers, args.blocks, slice_bytes)
+                for layer in range(args.layers):
+                    kv_rows[layer, first_row : first_row + args.blocks] = staged[layer]
+            else:
+                ok = reader.read_into(capability, blocks, kv_rows.reshape(-1), spread=into_rows)
+            took = time.perf_counter() - began
+            client.release(found.lease)
+            landed = kv_rows[:, first_row : first_row + args.blocks]
+            assert all(ok) and np.array_equal(landed, rows_want), "KV rows: not bit-exact"
+            return took
 
         def direct(by_layer: bool) -> float:
             staging[:] = 0
@@ -163,6 +210,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         paths = {
             "direct": lambda: direct(False),
             "direct, by layer": lambda: direct(True),
+            "direct, into the KV rows": lambda: into_kv(False),
+            "direct + copy into the KV rows": lambda: into_kv(True),
             "get_blocks": lambda: gateway(False),
             "get_blocks + copy": lambda: gateway(True),
         }
@@ -212,11 +261,11 @@ def table(results: dict[str, Any]) -> str:
         f"{config['blocks']} blocks x {config['block_bytes'] // 1024} KiB = "
         f"{config['payload_bytes'] / 1e6:.1f} MB, {config['storage_nodes']} storage nodes "
         f"({config['k']}+{config['m']}), {config['cpus']} CPUs, same run",
-        f"{'path':<20} {'GB/s (median)':>14} {'GB/s (best)':>12} {'ms (median)':>12} {'runs':>5}",
+        f"{'path':<31} {'GB/s (median)':>14} {'GB/s (best)':>12} {'ms (median)':>12} {'runs':>5}",
     ]
     for name, row in results["rows"].items():
         lines.append(
-            f"{name:<20} {row['median_gbps']:>14.3f} {row['best_gbps']:>12.3f} "
+            f"{name:<31} {row['median_gbps']:>14.3f} {row['best_gbps']:>12.3f} "
             f"{row['median_ms']:>12.1f} {row['runs']:>5}"
         )
     direct = results["rows"]["direct"]["median_gbps"]
@@ -230,6 +279,12 @@ def table(results: dict[str, Any]) -> str:
     lines.append(
         f"direct, by layer: layer 0 of {results['layers']} in place after "
         f"{results['first_layer_ms_median']:.1f} ms of {by_layer['median_ms']:.1f} ms (medians)"
+    )
+    in_place = results["rows"]["direct, into the KV rows"]["median_ms"]
+    copied = results["rows"]["direct + copy into the KV rows"]["median_ms"]
+    lines.append(
+        f"into a CPU engine's KV rows: in place {in_place:.1f} ms, read into staging and copied "
+        f"{copied:.1f} ms ({copied - in_place:+.1f} ms, medians)"
     )
     return "\n".join(lines)
 

@@ -81,10 +81,14 @@ SETUPS = {
     "cold": "cold (no cache)",
     "local": "vLLM local prefix cache",
     "warm": "warm from kvstore (fresh engine)",
+    "warm_staged": "the same, loads copied from staging",
     "mooncake": "warm from Mooncake (fresh engine)",
     "seed": "seed, kvstore: cold, saves",
     "mooncake_seed": "seed, Mooncake: cold, saves",
 }
+
+#: Setups measured only when asked for (``--also-staged``).
+OPTIONAL = ("warm_staged",)
 
 EPILOG = f"""\
 defaults: issue 32's setup (Llama, 8 layers, hidden 768, bfloat16: 12 KiB of KV per token;
@@ -161,6 +165,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help="Mooncake Store in the same run: if it can run here (default), required, or not",
     )
+    parser.add_argument(
+        "--also-staged",
+        action="store_true",
+        help="also a fresh kvstore engine per run whose loads land in staging and are copied "
+        "into the KV rows (loads_in_place false: what a CPU engine did before loads landed in "
+        "place), to compare in the same run",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     if args.runs < 3:
@@ -234,6 +245,7 @@ def measure(args: argparse.Namespace, *, mooncake: bool) -> dict[str, Any]:
     # Per setup, every measured request's answer (tokens, logprobs, seconds, ...).
     served: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
     loads: list[dict[str, float]] = []
+    staged_loads: list[dict[str, float]] = []  # --also-staged's engines
     with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as scratch_dir, ExitStack() as stack:
         scratch = Path(scratch_dir)
         print(f"building the model ({shape}, {args.dtype}) ...", file=sys.stderr)
@@ -283,12 +295,27 @@ def measure(args: argparse.Namespace, *, mooncake: bool) -> dict[str, Any]:
             served["warm"] += hits(y, expected_hit, label)
             for before, after in zip(y["results"], y["results"][1:], strict=False):
                 loads.append(delta(after["worker"], before["worker"]))
+            if args.also_staged:
+                label = f"s{run}"
+                staged_connector = {**connector, "loads_in_place": False}
+                answer = engine(
+                    {**base, "prompts": warm_prompts, "connector": staged_connector}, scratch, label
+                )
+                served["warm_staged"] += hits(answer, expected_hit, label)
+                results = answer["results"]
+                for before, after in zip(results, results[1:], strict=False):
+                    staged_loads.append(delta(after["worker"], before["worker"]))
             if store is not None:
                 label = f"m{run}"
                 answer = progress(label, store.engine({**base, "prompts": warm_prompts}))
                 served["mooncake"] += hits(answer, expected_hit, label)
     groups = seed.get("groups") or []
-    return figures_of(args, shape, served, loads, groups, page_bytes, expected_hit)
+    figures = figures_of(args, shape, served, loads, groups, page_bytes, expected_hit)
+    if staged_loads:
+        figures["forward_waited_s_staged"] = statistics.median(
+            x["wait_seconds"] for x in staged_loads
+        )
+    return figures
 
 
 def figures_of(
@@ -385,7 +412,8 @@ def report(figures: dict[str, Any]) -> None:
     )
     for name, title in SETUPS.items():
         if name not in rows:
-            print(f"{title:36}{'-':>8}  skipped (below)")
+            if name not in OPTIONAL:
+                print(f"{title:36}{'-':>8}  skipped (below)")
             continue
         values = rows[name]
         spread = f"{min(values):.3f}-{max(values):.3f} ({len(values)})"
@@ -406,6 +434,12 @@ def report(figures: dict[str, Any]) -> None:
         why = figures["peers"]["mooncake"]
         install = f"; to install: {INSTALL}" if "cannot run here" in why else ""
         print(f"Mooncake Store {why}{install}")
+    if "warm_staged" in median:
+        print(
+            f"kvstore, loads in place / copied from staging: TTFT "
+            f"{median['warm'] / median['warm_staged']:.2f}, the forward's wait on the load "
+            f"{figures['forward_waited_s']:.3f} / {figures['forward_waited_s_staged']:.3f} s"
+        )
     differ = [SETUPS[name] for name, o in outputs.items() if not o["same_tokens"]]
     print(
         "outputs: every setup gave the cold run's tokens"
@@ -432,12 +466,13 @@ def report(figures: dict[str, Any]) -> None:
     )
     loaded, staged_s = figures["bytes_loaded"], figures["staged_seconds"]
     print(
-        f"kvstore load: {loaded / 1e6:.1f} MB ({figures['tokens_from_cache']} tokens) staged in "
+        f"kvstore load: {loaded / 1e6:.1f} MB ({figures['tokens_from_cache']} tokens) landed in "
         f"{staged_s:.3f} s = {figures['load_gb_per_s']:.3f} GB/s; of that, "
-        f"{figures['tier_read_seconds']:.3f} s until layer 0 was staged (read straight from "
+        f"{figures['tier_read_seconds']:.3f} s until layer 0 had landed (read straight from "
         f"the storage nodes with the lease's read grant, or through the gateway where the "
-        f"engine reaches no node; a CPU engine stages every block before layer 0, a GPU "
-        f"engine's direct read hands layers on as they arrive)"
+        f"engine reaches no node; a CPU engine's blocks land in its KV rows themselves, every "
+        f"block before layer 0 is handed on; a GPU engine's land in staging, and its direct "
+        f"read hands layers on as they arrive)"
     )
     by_group = figures["bytes_loaded_by_group"]
     sliding_layers = sum(len(layers) for kind, layers, _ in model["groups"] if kind == "sliding")

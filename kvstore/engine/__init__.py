@@ -21,6 +21,7 @@ Worker side (the bytes)
                   on CPU, a side stream on CUDA); the put thread assembles the payloads
   ``fetcher``     the fetcher process: reads, checks and stages loads layer by layer
   ``staging``     the /dev/shm staging area shared with the fetcher
+  ``sharedkv``    a CPU engine's KV cache moved into shared memory: loads land in its rows
   ``kvlayout``    the byte map of a block payload and a window state, layer by layer
 Test models
   ``tiny_model``  a tiny random Llama and a locally trained tokenizer

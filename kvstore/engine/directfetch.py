@@ -3,7 +3,8 @@ lease's read grant (``kvstore.tier.records.DirectGrant``), instead of relayed by
 
 The gateway path moves every byte node → gateway → gRPC → fetcher; here each node's shards
 land where the engine will take them from: the load's staging region, layer-major
-(``kvstore.engine.staging.StageLayout``: a block's slice of layer i in layer i's section).
+(``kvstore.engine.staging.StageLayout``: a block's slice of layer i in layer i's section), or
+a CPU engine's KV rows themselves (``kvstore.engine.sharedkv``).
 ``DirectReader.read_into`` receives each data shard's fragment in place, cut at the layer
 boundaries it crosses (``Spread``), hashes each block once and decodes from parity only when a
 shard is missing or bad: no scratch buffer, no copy between the socket and staging. A block the
@@ -26,7 +27,6 @@ import numpy as np
 from kvstore.blockstore.capability import CapabilityRefused, ReadCapability
 from kvstore.blockstore.direct import DirectReader, Spread
 from kvstore.blockstore.records import BlockLocation
-from kvstore.engine.staging import StageLayout
 from kvstore.fastcall.tls import ClientTLS, tls_from_env
 from kvstore.tier.records import DirectGrant
 
@@ -102,13 +102,16 @@ class DirectBlocks:
         self,
         grant: DirectGrant,
         nbytes: int,
-        region: np.ndarray,
-        layout: StageLayout,
+        out: np.ndarray,
+        segments: tuple[tuple[int, int, int], ...],
+        rows: np.ndarray,
         on_prefix: Callable[[int, np.ndarray, np.ndarray], bool] | None = None,
     ) -> np.ndarray | None:
-        """Read ``grant``'s blocks straight into their places in the staging ``region``
-        (laid out by ``layout``: block i's slice of each layer in that layer's section, row
-        i); which were read whole (a miss's bytes there are undefined, never marked OK).
+        """Read ``grant``'s blocks straight into their places in ``out``: block i's slice of
+        each layer where ``segments`` puts that layer's row 0, ``rows[i]`` rows further on (a
+        staging region, ``StageLayout.block_segments`` and rows 0..n-1; or the engine's shared
+        KV cache, ``KVFile.segments`` and the request's block ids); which were read whole (a
+        miss's bytes there are undefined, never marked OK).
         None: this process reads through the gateway. A block of another size than
         ``nbytes`` is a miss, never read. ``on_prefix(nbytes, whole, read)``: the read's
         progress, per block of the grant (``DirectReader.read_into``'s, with ``read`` the
@@ -126,7 +129,7 @@ class DirectBlocks:
             return ok
         every = grant.blocks()
         blocks = [BlockLocation(*every[i]) for i in chosen.tolist()]
-        spread = Spread(layout.block_segments(), tuple(chosen.tolist()))
+        spread = Spread(segments, tuple(rows[chosen].tolist()))
         asked = np.zeros(n, bool)
         asked[chosen] = True
 
@@ -137,7 +140,7 @@ class DirectBlocks:
             return on_prefix(prefix, mask, asked)
 
         ok[chosen] = reader.read_into(
-            capability, blocks, region, spread=spread, on_prefix=progress if on_prefix else None
+            capability, blocks, out, spread=spread, on_prefix=progress if on_prefix else None
         )
         return ok
 

@@ -22,7 +22,8 @@ fetcher answers ``("layer", job, i)`` after it has written layer i and set its r
    are published while the block read is still in flight. A job carrying its lease's read
    grant reads the blocks straight from the storage nodes into their places in the region
    (``kvstore.engine.directfetch``), and only those the nodes did not give whole through the
-   tier;
+   tier; a job with ``rows`` lands its blocks in the engine's shared KV cache instead, in those
+   rows (``kvstore.engine.sharedkv``: the region then holds the header and the window only);
 2. marks the state and each block OK or FAILED in the header: a miss, a wrong key or a wrong
    size is FAILED (a failed read is a miss, and its staged bytes are never copied to the pools);
 3. writes layer 0's slices of every block read through the tier and its window, publishes
@@ -56,6 +57,7 @@ from kvstore.childenv import child_env
 from kvstore.engine.directfetch import DirectBlocks
 from kvstore.engine.kvlayout import KVLayout
 from kvstore.engine.plan import describe
+from kvstore.engine.sharedkv import KVFile, SharedKV
 from kvstore.engine.staging import (
     OK,
     StageHeader,
@@ -92,6 +94,9 @@ class FetchJob:
     #: shares its cores with the read; there reading whole first measured faster
     #: (``vllm_ttft.py``: 0.211 against 0.223 s, benchmarks/README.md).
     by_layer: bool = False
+    #: Where the blocks land when the engine's KV cache is shared (``kvstore.engine.sharedkv``):
+    #: block i in row ``rows[i]`` of every layer, read straight into place; None: in staging.
+    rows: tuple[int, ...] | None = None
 
     @property
     def with_state(self) -> bool:
@@ -135,9 +140,11 @@ def fetcher_main(
     factory: ReaderFactory,
     gate: LayerGate | None,
     buffer: np.ndarray,
+    kv_file: KVFile | None = None,
 ) -> None:
     """Entry point of the fetcher process: serve jobs into ``buffer`` (the mapped staging
-    area) until ``None`` or the engine goes away."""
+    area) and ``kv_file`` (the engine's shared KV cache, if any) until ``None`` or the engine
+    goes away."""
     try:
         reader = factory()
     except Exception as error:  # noqa: BLE001 - reported to the engine, which fails every load
@@ -151,6 +158,10 @@ def fetcher_main(
     # numpy, ...): ~9% of a 99 MB read's CPU here. The objects made so far are frozen (never
     # walked again); a job's cycles, if any, are collected after it.
     gc.freeze()
+
+    def announce(*message: Any) -> None:
+        events.send(message)
+
     while True:
         try:
             job = jobs.recv()
@@ -161,7 +172,7 @@ def fetcher_main(
         gc.disable()
         try:
             region = buffer[job.region_offset : job.region_offset + job.region_nbytes]
-            run_job(job, region, reader, gate, lambda *message: events.send(message), direct)
+            run_job(job, region, reader, gate, announce, direct, kv_file)
         except Exception as error:  # noqa: BLE001 - one bad job must not stop the fetcher
             events.send(("failed", job.job_id, f"{type(error).__name__}: {error}"))
         finally:
@@ -175,13 +186,16 @@ def run_job(
     gate: LayerGate | None,
     announce: Any,
     direct: DirectBlocks | None = None,
+    kv_file: KVFile | None = None,
 ) -> None:
     """Fetch one job into its region, publishing layer by layer (also usable in-process).
-    ``direct``: reads a job that carries a read grant from the storage nodes."""
+    ``direct``: reads a job that carries a read grant from the storage nodes; ``kv_file``:
+    where a job with ``rows`` lands its blocks."""
     kv = job.kv
-    layout = StageLayout.plan(kv, len(job.keys), job.with_state)
+    layout = StageLayout.plan(kv, len(job.keys), job.with_state, job.rows is not None)
     header = layout.header(region)
     header.check(job.job_id)
+    target = _BlockTarget(layout, region, kv_file, job.rows)
 
     # The state first: layers without block KV (V4.1's two pure-SWA layers) become usable
     # while the blocks are still being read from the tier.
@@ -189,10 +203,10 @@ def run_job(
     if job.state_key is not None and job.state_position is not None:
         state = _read_state(reader, job.state_key, job.state_position, kv.state_bytes)
         header.set_state_status(state is not None)
-    layers = _Layers(job, layout, region, gate, announce, state)
+    layers = _Layers(job, layout, region, target, gate, announce, state)
     layers.publish_until(layers.first_with_blocks)
     payloads, block_ok, lease_open = _load_blocks(
-        reader, job, region, layout, direct, layers if job.by_layer else None
+        reader, job, target, direct, layers if job.by_layer else None
     )
     if layers.statuses_set:  # handed on as they arrived: what failed since is a miss now
         header.fail_blocks(~block_ok)
@@ -204,6 +218,40 @@ def run_job(
     announce("done", job.job_id)
     if lease_open and job.lease_id is not None:
         _release(reader, job.lease_id)
+
+
+class _BlockTarget:
+    """Where a job's blocks land: its staging region, layer-major (row i of each layer's
+    section: block i), or the engine's KV rows themselves (block i in row ``rows[i]``)."""
+
+    def __init__(
+        self,
+        layout: StageLayout,
+        region: np.ndarray,
+        kv_file: KVFile | None,
+        rows: Sequence[int] | None,
+    ) -> None:
+        self.layout, self.region, self.kv_file = layout, region, kv_file
+        if rows is None:
+            self.rows = np.arange(layout.n_blocks)
+            return
+        if kv_file is None:
+            raise SwapInError("the job lands in the KV rows, but this fetcher has no KV file")
+        self.rows = kv_file.check_rows(rows)
+        if self.rows.size != layout.n_blocks:
+            raise InvalidArgument("rows", f"{self.rows.size} rows for {layout.n_blocks} blocks")
+
+    def buffer_and_segments(self) -> tuple[np.ndarray, tuple[tuple[int, int, int], ...]]:
+        """What a direct read writes into, and where each layer's slice of row 0 goes."""
+        if self.kv_file is None or not self.layout.blocks_in_place:
+            return self.region, self.layout.block_segments()
+        return self.kv_file.buffer, self.kv_file.segments(self.layout.kv)
+
+    def layer_rows(self, layer: int) -> np.ndarray:
+        """Layer ``layer``'s rows, indexed by ``self.rows``."""
+        if self.kv_file is None or not self.layout.blocks_in_place:
+            return self.layout.blocks_view(self.region, layer)
+        return self.kv_file.rows(layer, self.layout.kv.layer(layer).block_nbytes)
 
 
 class _Layers:
@@ -218,11 +266,12 @@ class _Layers:
         job: FetchJob,
         layout: StageLayout,
         region: np.ndarray,
+        target: _BlockTarget,
         gate: LayerGate | None,
         announce: Any,
         state: np.ndarray | None,
     ) -> None:
-        self.job, self.layout, self.region = job, layout, region
+        self.job, self.layout, self.region, self.target = job, layout, region, target
         self.header = layout.header(region)
         self._gate, self._announce, self._state = gate, announce, state
         kv = job.kv
@@ -242,12 +291,12 @@ class _Layers:
             item = kv.layers[self.next]
             if self._gate is not None:
                 self._gate.before_layer(self.job.job_id, item.layer)
-            if item.block_nbytes:
-                target = self.layout.blocks_view(self.region, item.layer)
+            if item.block_nbytes and any(p is not None for p in self.payloads):
+                rows, at = self.target.layer_rows(item.layer), self.target.rows
                 start, stop_at = item.block_offset, item.block_offset + item.block_nbytes
                 for index, payload in enumerate(self.payloads):
                     if payload is not None:
-                        target[index] = payload[start:stop_at]
+                        rows[at[index]] = payload[start:stop_at]
             if self._state is not None and item.state_nbytes:
                 window = self.layout.state_view(self.region, item.layer)
                 window.reshape(-1)[:] = self._state[
@@ -276,13 +325,12 @@ class _Layers:
 def _load_blocks(
     reader: TierReader,
     job: FetchJob,
-    region: np.ndarray,
-    layout: StageLayout,
+    target: _BlockTarget,
     direct: DirectBlocks | None,
     layers: _Layers | None = None,
 ) -> tuple[list[np.ndarray | None], np.ndarray, bool]:
     """Which of the job's blocks were read, the payloads of those read through the gateway
-    (to be copied into staging; a block read directly is already there), and whether the
+    (to be copied into ``target``; a block read directly is already there), and whether the
     job's lease is still open (read directly in full: no gateway read ended it, the fetcher
     gives it back once the load is staged). With a grant, the blocks come from the storage
     nodes and only those that did not are read through the tier (a miss there too is a
@@ -293,9 +341,9 @@ def _load_blocks(
     if direct is None or grant is None or len(grant) != len(job.keys) or not job.keys:
         return (*_read_blocks(reader, job.keys, job.lease_id, nbytes), False)
     try:
-        placed = direct.read_into(
-            grant, nbytes, region, layout, None if layers is None else layers.on_prefix
-        )
+        buffer, segments = target.buffer_and_segments()
+        on_prefix = None if layers is None else layers.on_prefix
+        placed = direct.read_into(grant, nbytes, buffer, segments, target.rows, on_prefix)
     except Exception as error:  # noqa: BLE001 - the gateway path still reads every block
         log.warning("direct read of %d blocks failed: %s", len(job.keys), error)
         placed = None
@@ -476,7 +524,10 @@ class Fetcher:
         geometry: GeometryConfig | KVLayout,
         *,
         gate: LayerGate | None = None,
+        shared: SharedKV | None = None,
     ) -> None:
+        """``shared``: the engine's KV cache in shared memory; the process maps it, and a load
+        given ``rows`` lands there (``submit``)."""
         if not callable(reader_factory):
             raise InvalidArgument(
                 "reader_factory", "must be a picklable zero-argument callable returning a reader"
@@ -487,6 +538,8 @@ class Fetcher:
         jobs_read, jobs_write = os.pipe()
         events_read, events_write = os.pipe()
         staging = area.fileno()
+        self.shared = shared
+        kv_fds = () if shared is None else (shared.fd,)
         try:
             self._process = subprocess.Popen(
                 [
@@ -496,10 +549,11 @@ class Fetcher:
                     str(jobs_read),
                     str(events_write),
                     str(staging),
+                    *(str(fd) for fd in kv_fds),
                 ],
                 # The staging file itself, open: the child keeps it (and so its lock) until it
-                # exits, and never looks the area up by name.
-                pass_fds=(jobs_read, events_write, staging),
+                # exits, and never looks the area up by name (the KV file has no name at all).
+                pass_fds=(jobs_read, events_write, staging, *kv_fds),
                 env=child_env(),
                 stdin=subprocess.DEVNULL,
             )
@@ -510,7 +564,8 @@ class Fetcher:
         self._jobs = Connection(jobs_write, readable=False)
         self._events = Connection(events_read, writable=False)
         try:
-            self._jobs.send((reader_factory, gate))
+            kv_map = None if shared is None else (shared.places, shared.num_rows)
+            self._jobs.send((reader_factory, gate, kv_map))
         except (OSError, ValueError) as error:
             self._process.kill()
             raise SwapInError(f"cannot start the fetcher: {error}") from error
@@ -542,10 +597,13 @@ class Fetcher:
         state_position: int | None = None,
         direct: DirectGrant | None = None,
         by_layer: bool = False,
+        rows: Sequence[int] | np.ndarray | None = None,
     ) -> StagedFetch:
         """Stage ``keys`` (and the SWA state at ``state_position`` under ``state_key``);
         ``direct``: the lease's read grant for ``keys``, to read them from the storage nodes;
-        ``by_layer``: hand its layers on as they arrive (``FetchJob.by_layer``).
+        ``by_layer``: hand its layers on as they arrive (``FetchJob.by_layer``); ``rows``:
+        land block i in row ``rows[i]`` of the shared KV cache (``FetchJob.rows``), which the
+        caller must keep for this load until it is ``finished``.
 
         Raises ``StagingFull`` when the area has no room now, ``SwapInError`` when the fetcher
         process is gone.
@@ -555,7 +613,16 @@ class Fetcher:
             raise InvalidArgument("state_position", "give state_key and state_position together")
         if state_key is not None:
             state_key = bytes(check_key(state_key, "state_key"))
-        layout = StageLayout.plan(self.kv, len(typed), state_key is not None)
+        in_place: tuple[int, ...] | None = None
+        if rows is not None:
+            if self.shared is None:
+                raise InvalidArgument("rows", "this fetcher has no shared KV cache to land in")
+            in_place = tuple(int(row) for row in rows)
+            if len(in_place) != len(typed) or any(
+                not 0 <= row < self.shared.num_rows for row in in_place
+            ):
+                raise InvalidArgument("rows", f"one per key, each in [0, {self.shared.num_rows})")
+        layout = StageLayout.plan(self.kv, len(typed), state_key is not None, rows is not None)
         with self._lock:
             if self._dead is not None:
                 raise SwapInError(f"fetcher process is gone: {self._dead}")
@@ -576,6 +643,7 @@ class Fetcher:
             state_position=state_position,
             direct=direct,
             by_layer=by_layer,
+            rows=in_place,
         )
         with self._lock:
             dead = self._dead
@@ -628,6 +696,13 @@ class Fetcher:
         for fetch in orphans:
             fetch._on_failed(why)
 
+    def kill(self) -> None:
+        """Stop the process at once (it writes nothing after this returns) and fail whatever is
+        still in flight."""
+        self._process.kill()
+        self._process.wait()
+        self.close()
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the process (politely, then by force) and fail whatever is still in flight."""
         with self._lock:
@@ -654,14 +729,16 @@ class Fetcher:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m kvstore.engine.fetcher JOBS_FD EVENTS_FD STAGING_FD``: the fetcher process
-    (started by ``Fetcher``; the first message on JOBS is ``(reader_factory, gate)``; STAGING is
-    the open staging file, mapped here and kept open for as long as the process lives)."""
+    """``python -m kvstore.engine.fetcher JOBS_FD EVENTS_FD STAGING_FD [KV_FD]``: the fetcher
+    process (started by ``Fetcher``; the first message on JOBS is ``(reader_factory, gate,
+    kv_map)``; STAGING is the open staging file, mapped here and kept open for as long as the
+    process lives; KV_FD the engine's shared KV cache, whose ``(places, num_rows)`` are
+    ``kv_map``)."""
     args = sys.argv[1:] if argv is None else argv
     jobs = Connection(int(args[0]), writable=False)
     events = Connection(int(args[1]), readable=False)
     try:
-        factory, gate = jobs.recv()
+        factory, gate, kv_map = jobs.recv()
     except (EOFError, OSError):
         return
     except Exception as error:  # noqa: BLE001 - an unpicklable factory: tell the engine
@@ -669,10 +746,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         _, buffer = map_staging_fd(int(args[2]))
-    except (OSError, ValueError, InvalidArgument) as error:
-        events.send(("dead", 0, f"cannot map the staging area: {type(error).__name__}: {error}"))
+        kv_file = None if kv_map is None else KVFile.map(int(args[3]), *kv_map)
+    except (OSError, ValueError, IndexError, InvalidArgument) as error:
+        what = f"{type(error).__name__}: {error}"
+        events.send(("dead", 0, f"cannot map the staging area or the KV cache: {what}"))
         return
-    fetcher_main(jobs, events, factory, gate, buffer)
+    fetcher_main(jobs, events, factory, gate, buffer, kv_file)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,10 @@ class ConnectorSettings:
     #: Accept a tier hit only when loading it is faster than computing it, by this engine's
     #: measured rates (``kvstore.engine.worth``); false: always load.
     load_only_if_faster: bool = True
+    #: On a CPU engine, move the KV cache into shared memory so loads land in its rows
+    #: straight from the storage nodes (``kvstore.engine.sharedkv``); false: loads land in
+    #: staging and are copied into the rows (costs a copy of every loaded byte).
+    loads_in_place: bool = True
     #: Names the model in the key fingerprint instead of the path or hub id vLLM was given
     #: (set it when one model is reached under two names, or two weights under one name).
     model_id: str | None = None
@@ -96,7 +100,7 @@ class ConnectorSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(name, f"must be a number of seconds > 0, got {value!r}")
-        for name in ("load", "save", "load_only_if_faster"):
+        for name in ("load", "save", "load_only_if_faster", "loads_in_place"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.staging_dir is not None and not Path(self.staging_dir).is_dir():

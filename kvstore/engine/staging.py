@@ -81,6 +81,9 @@ class StageLayout:
     kv: KVLayout
     n_blocks: int
     with_state: bool
+    #: The blocks land in the engine's KV rows themselves (``kvstore.engine.sharedkv``): the
+    #: region holds the header and the window state only.
+    blocks_in_place: bool
     layer_ready_offset: int
     block_status_offset: int
     header_bytes: int
@@ -89,7 +92,9 @@ class StageLayout:
     total_bytes: int
 
     @classmethod
-    def plan(cls, kv: KVLayout, n_blocks: int, with_state: bool) -> StageLayout:
+    def plan(
+        cls, kv: KVLayout, n_blocks: int, with_state: bool, blocks_in_place: bool = False
+    ) -> StageLayout:
         if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
             raise InvalidArgument("n_blocks", f"must be an integer >= 0, got {n_blocks!r}")
         ready = _FIXED_HEADER
@@ -98,13 +103,23 @@ class StageLayout:
         offset = header
         sections = []
         for item in kv.layers:
-            blocks = n_blocks * item.block_nbytes
+            blocks = 0 if blocks_in_place else n_blocks * item.block_nbytes
             state_at = _round_up(offset + blocks, ALIGN)
             state = item.state_nbytes if with_state else 0
             end = _round_up(state_at + state, ALIGN) if state else state_at
             sections.append((offset, state_at, end - offset))
             offset = end
-        return cls(kv, n_blocks, bool(with_state), ready, status, header, tuple(sections), offset)
+        return cls(
+            kv,
+            n_blocks,
+            bool(with_state),
+            bool(blocks_in_place),
+            ready,
+            status,
+            header,
+            tuple(sections),
+            offset,
+        )
 
     # --- data views ------------------------------------------------------------------------
 
@@ -115,6 +130,8 @@ class StageLayout:
 
     def blocks_view(self, region: np.ndarray, layer: int) -> np.ndarray:
         """Layer ``layer``'s block bytes as ``[n_blocks, layer block bytes]`` (a view)."""
+        if self.blocks_in_place:
+            raise InvalidArgument("layout", "its blocks land in the KV rows, not in staging")
         item = self.kv.layer(layer)
         offset = self.sections[item.layer][0]
         raw = region[offset : offset + self.n_blocks * item.block_nbytes]
@@ -124,6 +141,8 @@ class StageLayout:
         """Where a block's bytes go: ``(offset in the block, bytes, offset of row 0's slice
         in the region)`` per layer with block KV, in block order; row r's slice of a layer is
         r slices further on (``kvstore.blockstore.direct.Spread``)."""
+        if self.blocks_in_place:
+            raise InvalidArgument("layout", "its blocks land in the KV rows, not in staging")
         return tuple(
             (item.block_offset, item.block_nbytes, self.sections[item.layer][0])
             for item in self.kv.layers

@@ -271,7 +271,7 @@ class SwapIn:
                 if load._abandoned:
                     return self._failed(task, "abandoned by the engine")
                 region = source.region()
-                if item.block_nbytes and good.size:
+                if item.block_nbytes and good.size and not layout.blocks_in_place:
                     assert ok is not None
                     staged = layout.blocks_view(region, layer)
                     self._scatter(layer, block_ids, staged if ok.all() else staged[good])

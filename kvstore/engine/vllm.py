@@ -306,6 +306,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             staging_dir=self.settings.staging_dir,
             layer_timeout_s=self.settings.layer_timeout_s,
             max_pending_save_bytes=self.settings.max_pending_save_bytes,
+            loads_in_place=self.settings.loads_in_place,
         )
         try:
             serving = writer.serving()

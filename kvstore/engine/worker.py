@@ -2,7 +2,9 @@
 
 Loads are fetched by the fetcher process (``kvstore.engine.fetcher``: it reads, checks and
 stages them in /dev/shm, layer by layer) and copied into the engine's rows by swap-in
-(``kvstore.engine.swapin``: its own thread, a side stream on CUDA):
+(``kvstore.engine.swapin``: its own thread, a side stream on CUDA). On a CPU cache moved into
+shared memory (``kvstore.engine.sharedkv``) a step load's blocks land in the rows themselves,
+and a step does not end while its fetch may still write them (``_end_in_place_writes``):
 
 - a **step load** (a dense model) is waited for layer by layer: ``wait_layer(i)``, just before
   layer i runs, returns once layer i is in, so the fetch and copy of later layers overlap the
@@ -36,6 +38,7 @@ from kvstore.engine.groups import EngineGroups
 from kvstore.engine.plan import PagedLoad, PagedSave, StateSave, StepPlan, describe
 from kvstore.engine.rows import KVRows, as_ids
 from kvstore.engine.save import Gatherer, SaveBatch, SaveRows
+from kvstore.engine.sharedkv import move_or_none
 from kvstore.engine.staging import StagingArea
 from kvstore.engine.swapin import LayerLoad, LoadResult, LoadTarget, SwapIn
 from kvstore.errors import KVStoreError, LoadTimeout
@@ -48,6 +51,10 @@ log = logging.getLogger(__name__)
 
 #: A tier that is down fails every save; say so at most this often.
 _SAVE_WARNING_EVERY_S = 30.0
+#: How long a step's end waits for a fetch still writing into its KV rows before the fetcher is
+#: killed (the fetch announces its end microseconds after its last layer; only a load given up
+#: on can take longer).
+_IN_PLACE_GRACE_S = 2.0
 
 
 @dataclass
@@ -58,6 +65,8 @@ class WorkerStats:
     blocks_loaded: int = 0
     blocks_failed: int = 0
     bytes_loaded: int = 0
+    #: Of ``blocks_loaded``, those that landed in the KV rows themselves (no copy).
+    blocks_in_place: int = 0
     #: Window states loaded and their bytes (a hybrid model's sliding layers).
     states_loaded: int = 0
     state_bytes_loaded: int = 0
@@ -101,7 +110,14 @@ class PagedWorker:
         staging_dir: str | None = None,
         layer_timeout_s: float = 30.0,
         max_pending_save_bytes: int = 256 * 1024 * 1024,
+        loads_in_place: bool = True,
     ) -> None:
+        """``loads_in_place``: on a CPU cache, move it into shared memory so step loads land
+        in the rows themselves (``kvstore.engine.sharedkv``); before anything views it. A
+        hybrid model's loads are all asynchronous (``_in_place``): its cache stays put."""
+        on_cpu = bool(layers) and all(t.device.type == "cpu" for t in layers)
+        step_loads = groups is None or not groups.sliding_groups
+        self.shared = move_or_none(layers) if loads_in_place and on_cpu and step_loads else None
         self.rows = KVRows.of(layers, groups)
         self.kv = self.rows.kv
         self.num_blocks = self.rows.num_blocks
@@ -109,8 +125,9 @@ class PagedWorker:
         self._max_pending_bytes = max_pending_save_bytes
         self._writer = writer
         self.area = StagingArea(staging_bytes, staging_dir)
+        self._reader_factory = reader_factory
         try:
-            self.fetcher = Fetcher(reader_factory, self.area, self.kv)
+            self.fetcher = Fetcher(reader_factory, self.area, self.kv, shared=self.shared)
         except BaseException:
             self.area.close()
             raise
@@ -163,6 +180,7 @@ class PagedWorker:
                     state_position=load.state_position,
                     direct=load.direct,
                     by_layer=self.swapin.cuda,
+                    rows=target.block_ids if self._in_place(load) else None,
                 )
             except KVStoreError as error:  # no room, no fetcher: recompute, nothing written
                 log.warning("load of %s not started: %s", load.request_id, error)
@@ -175,6 +193,31 @@ class PagedWorker:
         self._awaiting.update(plan.finished)
         for request in plan.ended:
             self._queue.put(request)  # after the request's saves already queued
+
+    def _in_place(self, load: PagedLoad) -> bool:
+        """Whether ``load`` lands in the KV rows themselves: a step load on a shared cache.
+        (An asynchronous load's request may be aborted while it is read, and vLLM frees its
+        rows then: its bytes go through staging, where a late write harms nothing.)"""
+        return self.shared is not None and not load.asynchronous
+
+    def _end_in_place_writes(self, entries: Sequence[_Load]) -> None:
+        """Before a step ends, every fetch writing into its KV rows must be over: after the
+        step vLLM may recompute those rows (a failed load) or hand them to another request.
+        One still running (its load abandoned, the fetcher stuck on a node) ends with its
+        fetcher process: killed, so it writes nothing more, and a new one started."""
+        for entry in entries:
+            staged = entry.staged
+            if staged is None or not staged.layout.blocks_in_place:
+                continue
+            if staged.wait_finished(_IN_PLACE_GRACE_S):
+                continue
+            log.error(
+                "kvstore: the fetch into %s's KV rows did not end with its step; "
+                "restarting the fetcher so that it can write nothing more",
+                entry.load.request_id,
+            )
+            self.fetcher.kill()
+            self.fetcher = Fetcher(self._reader_factory, self.area, self.kv, shared=self.shared)
 
     def _rows_of(self, save: PagedSave) -> SaveRows:
         windows = save.state.windows if save.state is not None else ()
@@ -207,6 +250,7 @@ class PagedWorker:
             if entry.handle is not None:
                 self.wait_layer(self.kv.num_layers - 1)
                 self._account(entry, entry.handle.result())
+        self._end_in_place_writes(self._step_loads)
         self._step_loads = []
         batch, saves = self._batch, self._saves
         self._batch, self._saves = None, []
@@ -243,6 +287,8 @@ class PagedWorker:
             if load.asynchronous:
                 self._loaded.add(load.request_id)
         stats.blocks_loaded += result.blocks_loaded
+        if entry.staged is not None and entry.staged.layout.blocks_in_place:
+            stats.blocks_in_place += result.blocks_loaded
         stats.blocks_failed += len(result.failed_block_ids)
         stats.bytes_loaded += result.blocks_loaded * self.kv.block_bytes
         if result.state_loaded:
@@ -401,3 +447,5 @@ class PagedWorker:
         self._put_thread.join(timeout=10.0)
         self.fetcher.close()
         self.area.close()
+        if self.shared is not None:
+            self.shared.close()

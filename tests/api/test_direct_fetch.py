@@ -18,6 +18,7 @@ from kvstore.api.server import ServerOptions
 from kvstore.engine.directfetch import DirectBlocks
 from kvstore.engine.fetcher import Fetcher, FetchJob, run_job
 from kvstore.engine.kvlayout import KVLayout
+from kvstore.engine.sharedkv import SharedKV
 from kvstore.engine.staging import OK, StageLayout, StagingArea
 from kvstore.keys import BLOCK_TOKENS, block_keys
 from kvstore.runtime.service import RunningService, embedded_service
@@ -113,6 +114,46 @@ def test_a_load_with_a_grant_stages_the_stored_bytes_from_the_nodes(
     while _lease_open(running, answer.lease_id) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _lease_open(running, answer.lease_id)  # given back once staged
+
+
+def test_a_load_given_rows_lands_each_block_in_the_shared_kv_rows_from_the_nodes(
+    running: RunningService, factory: ClientFactory, area: StagingArea
+) -> None:
+    """A CPU engine's load with its cache in shared memory: the read grant's shards go from
+    the nodes' sockets straight into the request's rows, each block in the row it names (not
+    in order), and no other row changes."""
+    torch = pytest.importorskip("torch")
+    answer, payloads = _hit(factory, 11, 6)
+    rng = np.random.default_rng(11)
+    cache = [torch.from_numpy(rng.integers(0, 256, (16, n), dtype=np.uint8)) for n in LAYERS]
+    before = [t.clone() for t in cache]
+    shared = SharedKV.move(cache)
+    rows = [9, 2, 14, 5, 0, 7]
+    served = _engine_reads(running)
+    try:
+        with Fetcher(factory, area, KVLayout.blocks_only(list(LAYERS)), shared=shared) as fetcher:
+            staged = fetcher.submit(
+                list(answer.hit_block_keys),
+                lease_id=answer.lease_id,
+                direct=answer.direct,
+                rows=rows,
+            )
+            assert staged.wait_finished(60) and staged.failure is None
+            assert bool(staged.block_ok().all())
+            assert fetcher.read_path is not None and fetcher.read_path.startswith("direct")
+            staged.release()
+    finally:
+        shared.close()
+    assert _engine_reads(running) >= served + 6 * 10  # every data shard came from a node
+    at = 0
+    for layer, nbytes in enumerate(LAYERS):
+        expected = before[layer].clone()
+        for block, row in enumerate(rows):
+            expected[row] = torch.frombuffer(
+                bytearray(payloads[block][at : at + nbytes]), dtype=torch.uint8
+            )
+        assert torch.equal(cache[layer], expected), f"layer {layer}"
+        at += nbytes
 
 
 def _run_in_process(

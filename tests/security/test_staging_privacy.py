@@ -222,3 +222,23 @@ def test_the_fetcher_fills_the_area_it_was_handed_not_whatever_is_at_its_name(
         staged = fetch.layout.blocks_view(fetch.region(), 0)
         assert bytes(staged[0]) == block[: KV.layers[0].block_nbytes]
         fetch.release()
+
+
+def test_a_cpu_engines_shared_kv_cache_has_no_name_anyone_could_open(tmp_path: Path) -> None:
+    """Loads in place (``kvstore.engine.sharedkv``) put the whole KV cache in shared memory:
+    it is an anonymous file (``memfd_create``), in no directory, so no other user can open,
+    plant or swap it; only the engine and the fetcher it hands the descriptor to map it."""
+    torch = pytest.importorskip("torch")
+    from kvstore.engine.sharedkv import SharedKV
+
+    cache = [torch.zeros(4, 1024)]
+    shared = SharedKV.move(cache)
+    try:
+        target = os.readlink(f"/proc/self/fd/{shared.fd}")
+        assert target.startswith("/memfd:kvstore-kv-cache") and "(deleted)" in target
+        if Path("/dev/shm").is_dir():
+            assert not [p for p in Path("/dev/shm").rglob("*") if "kv-cache" in p.name]
+        flags = fcntl.fcntl(shared.fd, fcntl.F_GETFD)
+        assert flags & fcntl.FD_CLOEXEC  # no other child of the engine inherits it
+    finally:
+        shared.close()

@@ -33,6 +33,7 @@ def test_only_the_address_is_needed_and_the_hit_mode_is_the_models() -> None:
         ({"staging_bytes": 1000}, "staging_bytes", "1 MiB"),
         ({"lookup_timeout_s": 0}, "lookup_timeout_s", "> 0"),
         ({"save": "yes"}, "save", "true or false"),
+        ({"loads_in_place": 1}, "loads_in_place", "true or false"),
         ({"token_file": "/nonexistent/token"}, "token_file", "not a file"),
         ({"tls_client_cert": __file__}, "tls_client_cert", "together"),
         ({"staging_dir": "/nonexistent"}, "staging_dir", "not a directory"),

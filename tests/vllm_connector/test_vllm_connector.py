@@ -126,6 +126,10 @@ def test_two_storage_nodes_killed_and_a_fresh_engine_still_hits(
     b = run_engine(tiny_model, PROMPTS, connector_config(running_tier), tmp=tmp_path)
     assert hits(b) == EXPECTED
     assert_same_outputs(b, baseline, "engine B with 2 nodes dead")
+    # A CPU engine: its KV cache was moved into shared memory, and every block loaded landed
+    # in its rows from the live nodes' sockets, the missing shards decoded in place.
+    loaded = b["worker"]["blocks_loaded"]
+    assert loaded > 0 and b["worker"]["blocks_in_place"] == loaded, b["worker"]
 
 
 def post(url: str, body: dict) -> dict:
