@@ -68,10 +68,13 @@ class SharedKV:
         self._base = base
 
     @classmethod
-    def move(cls, layers: Sequence[torch.Tensor]) -> SharedKV:
+    def move(cls, layers: Sequence[torch.Tensor], views: Sequence[torch.Tensor] = ()) -> SharedKV:
         """Move the memory behind ``layers`` (CPU tensors) into a new shared file; ``places``
-        in their order. Raises ``OSError`` when the file cannot be made or reserved (nothing
-        has moved then), ``ValueError`` for a tensor not on the CPU."""
+        in their order. ``views``: other tensors over that memory that the engine computes on
+        (vLLM's attention layers may hold views of their own, e.g. in kernel blocks), pointed
+        at the file too. Raises ``OSError`` when the file cannot be made or reserved,
+        ``ValueError`` for a tensor not on the CPU or a view of other memory (the engine would
+        compute on bytes the loads never reach); nothing has moved then."""
         import torch
 
         storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
@@ -83,6 +86,9 @@ class SharedKV:
             if storage.data_ptr() not in storages:
                 storages[storage.data_ptr()] = (storage, size)
                 size = _round_up(size + storage.nbytes(), _PAGE)
+        for index, view in enumerate(views):
+            if view.device.type != "cpu" or view.untyped_storage().data_ptr() not in storages:
+                raise ValueError(f"views[{index}]: not a view of the layers' memory")
         size = max(size, _PAGE)
         fd = os.memfd_create("kvstore-kv-cache", os.MFD_CLOEXEC)
         try:
@@ -96,15 +102,17 @@ class SharedKV:
         for storage, at in storages.values():
             old = torch.empty(0, dtype=torch.uint8).set_(storage)
             whole[at : at + storage.nbytes()].copy_(old)
-        # Every place first: one tensor may be handed over twice (layers sharing their KV).
+        # Every place first: one tensor may be handed over twice (layers sharing their KV), or
+        # be one of the views too.
+        pointed = [*layers, *views]
         offsets = [
             storages[t.untyped_storage().data_ptr()][1] // t.element_size()
             + int(t.storage_offset())
-            for t in layers
+            for t in pointed
         ]
-        for tensor, offset in zip(layers, offsets, strict=True):
+        for tensor, offset in zip(pointed, offsets, strict=True):
             tensor.set_(target, offset, tensor.size(), tensor.stride())
-        places = [offset * t.element_size() for t, offset in zip(layers, offsets, strict=True)]
+        places = [offset * t.element_size() for t, offset in zip(layers, offsets, strict=False)]
         num_rows = int(layers[0].shape[0]) if layers else 0
         return cls(fd, size, tuple(places), num_rows, mapping, whole.data_ptr())
 
@@ -162,11 +170,13 @@ class KVFile:
         return self.buffer[start : start + self.num_rows * row_bytes].reshape(-1, row_bytes)
 
 
-def move_or_none(layers: Sequence[torch.Tensor]) -> SharedKV | None:
+def move_or_none(
+    layers: Sequence[torch.Tensor], views: Sequence[torch.Tensor] = ()
+) -> SharedKV | None:
     """``SharedKV.move``, or None (said in the log) where it cannot be: loads then land in
     staging and swap-in copies them, as on an engine whose cache is on a GPU."""
     try:
-        return SharedKV.move(layers)
+        return SharedKV.move(layers, views)
     except (OSError, ValueError) as error:
         log.warning("kvstore: the KV cache stays private, loads go through staging: %s", error)
         return None

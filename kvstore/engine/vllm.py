@@ -307,6 +307,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             layer_timeout_s=self.settings.layer_timeout_s,
             max_pending_save_bytes=self.settings.max_pending_save_bytes,
             loads_in_place=self.settings.loads_in_place,
+            views=self._bound_views(),
         )
         try:
             serving = writer.serving()
@@ -318,6 +319,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning(
                 "kvstore: tier %s not reachable at start-up (%s)", self.settings.address, why
             )
+
+    def _bound_views(self) -> list[torch.Tensor]:
+        """The tensors vLLM's attention layers compute on for our layers (``layer.kv_cache``,
+        bound before the connector is handed the cache): the same tensors, or views of their
+        own (kernel blocks) that a cache moved into shared memory must move with."""
+        import torch
+
+        context = self._vllm_config.compilation_config.static_forward_context
+        views = []
+        for name in self._layer_names:
+            held = getattr(context.get(name), "kv_cache", None)
+            for tensor in held if isinstance(held, list | tuple) else (held,):
+                if isinstance(tensor, torch.Tensor):
+                    views.append(tensor)
+        return views
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # The step starts here, before the forward: vLLM calls ``start_load_kv`` after the

@@ -111,13 +111,16 @@ class PagedWorker:
         layer_timeout_s: float = 30.0,
         max_pending_save_bytes: int = 256 * 1024 * 1024,
         loads_in_place: bool = True,
+        views: Sequence[torch.Tensor] = (),
     ) -> None:
         """``loads_in_place``: on a CPU cache, move it into shared memory so step loads land
-        in the rows themselves (``kvstore.engine.sharedkv``); before anything views it. A
-        hybrid model's loads are all asynchronous (``_in_place``): its cache stays put."""
+        in the rows themselves (``kvstore.engine.sharedkv``; ``views``: the engine's other
+        tensors over that memory, moved with it); before anything here views it. A hybrid
+        model's loads are all asynchronous (``_in_place``): its cache stays put."""
         on_cpu = bool(layers) and all(t.device.type == "cpu" for t in layers)
         step_loads = groups is None or not groups.sliding_groups
-        self.shared = move_or_none(layers) if loads_in_place and on_cpu and step_loads else None
+        wanted = loads_in_place and on_cpu and step_loads
+        self.shared = move_or_none(layers, views) if wanted else None
         self.rows = KVRows.of(layers, groups)
         self.kv = self.rows.kv
         self.num_blocks = self.rows.num_blocks

@@ -62,12 +62,21 @@ def test_moving_the_cache_keeps_its_bytes_and_every_view_sharing_them() -> None:
     first, second = raw[0], raw[1]  # two layers' views of one storage, as vLLM may make
     other = torch.randn(BLOCKS, 32).to(torch.bfloat16)
     before = [first.clone(), second.clone(), other.clone()]
-    shared = SharedKV.move([first, second, other, second])  # a layer's tensor twice: shared KV
+    kernel = first.view(BLOCKS * 2, 32)  # a layer's own view, as vLLM may bind (kernel blocks)
+    foreign = torch.zeros(4)
+    at = first.data_ptr()
+    with pytest.raises(ValueError, match="views"):  # the engine would compute on other memory
+        SharedKV.move([first, second, other], views=[kernel, foreign])
+    assert first.data_ptr() == at  # nothing moved
+    # A layer's tensor twice (layers sharing their KV), a view of its own.
+    shared = SharedKV.move([first, second, other, second], views=[kernel])
     try:
-        assert all(shared.holds(t) for t in (first, second, other))
+        assert all(shared.holds(t) for t in (first, second, other, kernel))
         assert all(torch.equal(a, b) for a, b in zip((first, second, other), before, strict=True))
         assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
         assert shared.places[1] - shared.places[0] == BLOCKS * 64 * 4
+        first[5].fill_(3.0)
+        assert bool((kernel[10:12] == 3.0).all())  # the layer and its view: still one memory
         first[3].fill_(7.0)  # the engine's writes are the file's
         view = np.frombuffer(os.pread(shared.fd, 4, shared.places[0] + 3 * 64 * 4), np.float32)
         assert view[0] == 7.0
