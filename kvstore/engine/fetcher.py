@@ -57,7 +57,7 @@ from kvstore.childenv import child_env
 from kvstore.engine.directfetch import DirectBlocks
 from kvstore.engine.kvlayout import KVLayout
 from kvstore.engine.plan import describe
-from kvstore.engine.sharedkv import KVFile, SharedKV
+from kvstore.engine.sharedkv import KVFile, SharedKV, check_rows
 from kvstore.engine.staging import (
     OK,
     StageHeader,
@@ -231,25 +231,26 @@ class _BlockTarget:
         kv_file: KVFile | None,
         rows: Sequence[int] | None,
     ) -> None:
-        self.layout, self.region, self.kv_file = layout, region, kv_file
+        self.layout, self.region = layout, region
+        #: The KV file when the blocks land in its rows, None when they land in staging.
+        self.kv_file: KVFile | None = None
         if rows is None:
             self.rows = np.arange(layout.n_blocks)
             return
         if kv_file is None:
             raise SwapInError("the job lands in the KV rows, but this fetcher has no KV file")
-        self.rows = kv_file.check_rows(rows)
-        if self.rows.size != layout.n_blocks:
-            raise InvalidArgument("rows", f"{self.rows.size} rows for {layout.n_blocks} blocks")
+        self.kv_file = kv_file
+        self.rows = check_rows(rows, kv_file.num_rows, layout.n_blocks)
 
     def buffer_and_segments(self) -> tuple[np.ndarray, tuple[tuple[int, int, int], ...]]:
         """What a direct read writes into, and where each layer's slice of row 0 goes."""
-        if self.kv_file is None or not self.layout.blocks_in_place:
+        if self.kv_file is None:
             return self.region, self.layout.block_segments()
         return self.kv_file.buffer, self.kv_file.segments(self.layout.kv)
 
     def layer_rows(self, layer: int) -> np.ndarray:
         """Layer ``layer``'s rows, indexed by ``self.rows``."""
-        if self.kv_file is None or not self.layout.blocks_in_place:
+        if self.kv_file is None:
             return self.layout.blocks_view(self.region, layer)
         return self.kv_file.rows(layer, self.layout.kv.layer(layer).block_nbytes)
 
@@ -617,11 +618,7 @@ class Fetcher:
         if rows is not None:
             if self.shared is None:
                 raise InvalidArgument("rows", "this fetcher has no shared KV cache to land in")
-            in_place = tuple(int(row) for row in rows)
-            if len(in_place) != len(typed) or any(
-                not 0 <= row < self.shared.num_rows for row in in_place
-            ):
-                raise InvalidArgument("rows", f"one per key, each in [0, {self.shared.num_rows})")
+            in_place = tuple(check_rows(rows, self.shared.num_rows, len(typed)).tolist())
         layout = StageLayout.plan(self.kv, len(typed), state_key is not None, rows is not None)
         with self._lock:
             if self._dead is not None:

@@ -32,6 +32,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvstore.engine.staging import round_up
+from kvstore.errors import InvalidArgument
+
 if TYPE_CHECKING:
     import torch
 
@@ -40,10 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _PAGE = mmap.PAGESIZE
-
-
-def _round_up(value: int, unit: int) -> int:
-    return -(-value // unit) * unit
 
 
 class SharedKV:
@@ -85,7 +84,7 @@ class SharedKV:
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in storages:
                 storages[storage.data_ptr()] = (storage, size)
-                size = _round_up(size + storage.nbytes(), _PAGE)
+                size = round_up(size + storage.nbytes(), _PAGE)
         for index, view in enumerate(views):
             if view.device.type != "cpu" or view.untyped_storage().data_ptr() not in storages:
                 raise ValueError(f"views[{index}]: not a view of the layers' memory")
@@ -146,13 +145,6 @@ class KVFile:
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         return cls(np.frombuffer(mapping, dtype=np.uint8), places, num_rows)
 
-    def check_rows(self, rows: Sequence[int]) -> np.ndarray:
-        """``rows`` as an array; ValueError unless each is a row of the engine's."""
-        array = np.asarray(rows, dtype=np.int64).reshape(-1)
-        if array.size and (array.min() < 0 or array.max() >= self.num_rows):
-            raise ValueError(f"rows: must lie in [0, {self.num_rows})")
-        return array
-
     def segments(self, kv: KVLayout) -> tuple[tuple[int, int, int], ...]:
         """Where a block's bytes go (``kvstore.blockstore.direct.Spread``): each layer's slice
         to that layer's rows, block b's in row b."""
@@ -168,6 +160,17 @@ class KVFile:
         """Layer ``layer``'s rows as ``[num_rows, row_bytes]``."""
         start = self.places[layer]
         return self.buffer[start : start + self.num_rows * row_bytes].reshape(-1, row_bytes)
+
+
+def check_rows(rows: Sequence[int] | np.ndarray, num_rows: int, count: int) -> np.ndarray:
+    """``rows`` as an array: one per block of a load (``count``), each a row of the engine's
+    cache (``num_rows``); InvalidArgument otherwise (a write must never leave its rows)."""
+    array = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if array.size != count:
+        raise InvalidArgument("rows", f"{array.size} rows for {count} blocks")
+    if array.size and (array.min() < 0 or array.max() >= num_rows):
+        raise InvalidArgument("rows", f"must lie in [0, {num_rows})")
+    return array
 
 
 def move_or_none(

@@ -70,7 +70,7 @@ _FIXED_HEADER = 64
 _NAME_ATTEMPTS = 8
 
 
-def _round_up(value: int, unit: int) -> int:
+def round_up(value: int, unit: int) -> int:
     return -(-value // unit) * unit
 
 
@@ -99,14 +99,14 @@ class StageLayout:
             raise InvalidArgument("n_blocks", f"must be an integer >= 0, got {n_blocks!r}")
         ready = _FIXED_HEADER
         status = ready + 8 * kv.num_layers
-        header = _round_up(status + n_blocks, ALIGN)
+        header = round_up(status + n_blocks, ALIGN)
         offset = header
         sections = []
         for item in kv.layers:
             blocks = 0 if blocks_in_place else n_blocks * item.block_nbytes
-            state_at = _round_up(offset + blocks, ALIGN)
+            state_at = round_up(offset + blocks, ALIGN)
             state = item.state_nbytes if with_state else 0
-            end = _round_up(state_at + state, ALIGN) if state else state_at
+            end = round_up(state_at + state, ALIGN) if state else state_at
             sections.append((offset, state_at, end - offset))
             offset = end
         return cls(
@@ -296,7 +296,7 @@ class StagingArea:
             raise InvalidArgument(
                 "capacity_bytes", f"must be at least {REGION_ALIGN}, got {capacity_bytes}"
             )
-        self.capacity = _round_up(capacity_bytes, REGION_ALIGN)
+        self.capacity = round_up(capacity_bytes, REGION_ALIGN)
         root = Path(default_staging_root() if directory is None else directory)
         if not root.is_dir():
             raise InvalidArgument("directory", f"{root} is not a directory")
@@ -347,7 +347,7 @@ class StagingArea:
         extent is large enough right now."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise InvalidArgument("nbytes", f"must be a positive integer, got {nbytes!r}")
-        size = _round_up(nbytes, REGION_ALIGN)
+        size = round_up(nbytes, REGION_ALIGN)
         with self._lock:
             for index, (offset, free) in enumerate(self._free):
                 if free >= size:
