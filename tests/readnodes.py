@@ -61,20 +61,22 @@ class ReadNodes:
 
     def put(self, keys: list[bytes], size: int, seed: int = 0) -> list[BlockLocation]:
         """Store a block of ``size`` random bytes under each key, shard i of block b on node
-        (b + i) mod count, committed; their locations."""
+        (b + i) mod count, committed; their locations. Each node's shards go in one put, data
+        shards first, as a client's put sends them (``client._by_node``)."""
         rng = np.random.default_rng(seed)
-        per_node: dict[int, list[tuple[bytes, np.ndarray]]] = {}
+        per_node: dict[int, list[tuple[bool, bytes, np.ndarray]]] = {}
         out = []
         for b, key in enumerate(keys):
             payload = rng.integers(0, 256, size, dtype=np.uint8)
             shards = self.codec.encode(payload, key)
             placement = tuple((b + seed + i) % self.count for i in range(WIDTH))
             for index, node in enumerate(placement):
-                per_node.setdefault(node, []).append((key, shards[index]))
+                per_node.setdefault(node, []).append((index >= K, key, shards[index]))
             self.payloads[key] = payload
             self.locations[key] = BlockLocation(key, placement, size)  # type: ignore[arg-type]
             out.append(self.locations[key])
-        for node, items in per_node.items():
+        for node, unordered in per_node.items():
+            items = [(key, shard) for _, key, shard in sorted(unordered, key=lambda i: i[0])]
             with self.locks[node]:
                 stored = self.nodes[node].put(
                     7,

@@ -146,7 +146,7 @@ class BlockStoreClient(BlockReads):
             placements = self._placements([keys[i] for i in todo.tolist()], nodes)
             tickets = {}
             # An index past the write nodes is -1: not written.
-            for node, (rows, indices) in _by_node(placements).items():
+            for node, (rows, indices) in _by_node(placements, self.config.data_shards).items():
                 positions = todo[rows]
                 shards = [
                     stripes[p][i] for p, i in zip(positions.tolist(), indices.tolist(), strict=True)
@@ -218,7 +218,7 @@ class BlockStoreClient(BlockReads):
         positions = np.fromiter(written, np.int64, len(written))
         placements = np.stack([written[p] for p in positions.tolist()])
         tickets = {}
-        for node, (rows, indices) in _by_node(placements).items():
+        for node, (rows, indices) in _by_node(placements, self.config.data_shards).items():
             ticket = self._fanout.submit(
                 node_target(node),
                 StorageNodeCalls.commit,
@@ -481,13 +481,17 @@ class BlockStoreClient(BlockReads):
             self._gather(tickets, self.config.call_timeout_s)
 
 
-def _by_node(placements: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def _by_node(placements: np.ndarray, k: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Each node of ``placements`` ((n, width), -1 = no node) -> the rows and shard indices it
-    holds, rows ascending: a few array passes a node instead of a Python step a shard."""
+    holds: data shards (index < ``k``) first, then parity, rows ascending in each; a few array
+    passes a node instead of a Python step a shard. A node appends a put in this order, so the
+    data shards an engine reads of a batch lie end to end in its segment file and go out in
+    one send (``readserver``), not one per block with parity records between them."""
     out = {}
     for node in np.unique(placements[placements >= 0]).tolist():
         rows, indices = np.nonzero(placements == node)
-        out[int(node)] = (rows, indices)
+        order = np.argsort(indices >= k, kind="stable")
+        out[int(node)] = (rows[order], indices[order])
     return out
 
 

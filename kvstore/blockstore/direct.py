@@ -167,6 +167,9 @@ class _Read:
         return encoded
 
 
+#: A shard's header and room before it for a reply's prefix (``readproto``), in ``_fast``.
+_SLOT = proto.MAX_PREFIX + HEADER_BYTES
+
 #: ``on_prefix(nbytes, whole) -> handed on``: see ``DirectReader.read_into``.
 OnPrefix = Callable[[int, np.ndarray], bool]
 
@@ -284,8 +287,10 @@ class DirectReader:
         sizes = read.sizes
         per_shard = -(-sizes // k)  # as ``fragment_length``, for every block at once
         fragments = np.maximum(FRAGMENT_ALIGN, -(per_shard // -FRAGMENT_ALIGN) * FRAGMENT_ALIGN)
-        heads = np.zeros((n, k, HEADER_BYTES), np.uint8)
-        head_view = memoryview(heads).cast("B")  # type: ignore[arg-type]
+        # Each shard's header lands at the end of its slot, the reply's prefix before it.
+        slots = np.zeros((n, k, _SLOT), np.uint8)
+        slot_view = memoryview(slots).cast("B")  # type: ignore[arg-type]
+        heads = slots[:, :, proto.MAX_PREFIX :]
         scratch = [memoryview(bytearray(int(fragments.max(initial=0))))]
         landed = np.zeros((n, k), bool)
         checked = np.zeros((n, k), bool)
@@ -294,13 +299,13 @@ class DirectReader:
         in_use = False
 
         def place(
-            bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray
+            bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray, prefix: int
         ) -> tuple[list[memoryview], np.ndarray]:
             fragment = fragments[bs]
             fits = lengths == HEADER_BYTES + fragment
             begin = indices * fragment
             take = np.clip(sizes[bs] - begin, 0, fragment)
-            most = int(lengths.max(initial=0))
+            most = prefix + int(lengths.max(initial=0))
             if most > len(scratch[0]):
                 scratch[0] = memoryview(bytearray(most))
             junk = scratch[0]
@@ -308,9 +313,9 @@ class DirectReader:
             piece_at, piece_len = read.piece_table(bs, begin, take)
             pieces: list[memoryview] = []
             add = pieces.append
-            for fit, head, ats, lens, pad, length in zip(
+            for fit, slot_end, ats, lens, pad, length in zip(
                 fits.tolist(),
-                ((bs * k + indices) * HEADER_BYTES).tolist(),
+                ((bs * k + indices + 1) * _SLOT).tolist(),
                 piece_at.tolist(),
                 piece_len.tolist(),
                 (fragment - take).tolist(),
@@ -318,9 +323,9 @@ class DirectReader:
                 strict=True,
             ):
                 if not fit:  # not this block's shard: read into nothing
-                    add(junk[:length])
+                    add(junk[: prefix + length])
                     continue
-                add(head_view[head : head + HEADER_BYTES])
+                add(slot_view[slot_end - HEADER_BYTES - prefix : slot_end])
                 for at, nbytes in zip(ats, lens, strict=True):
                     if nbytes:
                         add(view[at : at + nbytes])
@@ -349,7 +354,7 @@ class DirectReader:
             take = np.clip(sizes[bs] - begin, 0, fragment)
             rows = np.flatnonzero(good)
             good[rows] = _sums_hold(
-                read, heads, bs[rows], indices[rows], begin[rows], take[rows], fragment[rows]
+                read, slots, bs[rows], indices[rows], begin[rows], take[rows], fragment[rows]
             )
             checked[bs[good], indices[good]] = True
 
@@ -422,14 +427,15 @@ class DirectReader:
         landing: dict[tuple[int, int], np.ndarray] = {}
 
         def place(
-            bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray
+            bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray, prefix: int
         ) -> tuple[list[memoryview], np.ndarray]:
+            skip = memoryview(bytearray(prefix))
             pieces = []
             for b, index, length in zip(
                 bs.tolist(), indices.tolist(), lengths.tolist(), strict=True
             ):
                 shard = landing[b, index] = np.empty(length, np.uint8)
-                pieces.append(memoryview(shard))  # type: ignore[arg-type]
+                pieces += [skip, memoryview(shard)]  # type: ignore[arg-type]
             return pieces, np.ones(len(bs), bool)
 
         rows = np.array(chosen, np.int64)
@@ -491,7 +497,7 @@ class DirectReader:
 
 def _sums_hold(
     read: _Read,
-    heads: np.ndarray,
+    slots: np.ndarray,
     bs: np.ndarray,
     indices: np.ndarray,
     begin: np.ndarray,
@@ -499,17 +505,17 @@ def _sums_hold(
     fragment: np.ndarray,
 ) -> np.ndarray:
     """Whether the checksum of each landed shard (block ``bs``, stripe index ``indices``) holds:
-    xxh3-64 over its header from ``CHECKED_FROM`` on (in ``heads``), its ``take`` bytes of the
-    block from ``begin`` on (where the read put them) and its zero padding up to ``fragment``.
+    xxh3-64 over its header from ``CHECKED_FROM`` on (at the end of its slot in ``slots``, see
+    ``_fast``), its ``take`` bytes of the block from ``begin`` on (where the read put them) and
+    its zero padding up to ``fragment``.
     One C call for them all (``_shardsums``); this loop is its reference and fallback."""
-    k = heads.shape[1]
+    k = slots.shape[1]
     pads = fragment - take
     if _sums is not None:
         piece_at, piece_len = read.piece_table(bs, begin, take)
         holds = np.zeros(len(bs), np.uint8)
-        _sums.check_sums(
-            heads, (bs * k + indices) * HEADER_BYTES, read.view, piece_at, piece_len, pads, holds
-        )
+        head_at = (bs * k + indices) * _SLOT + proto.MAX_PREFIX
+        _sums.check_sums(slots, head_at, read.view, piece_at, piece_len, pads, holds)
         return holds.view(bool)
     zeros = bytes(int(pads.max(initial=0)))  # padding is zeros (``ec.shard``)
     out = np.zeros(len(bs), bool)
@@ -518,11 +524,12 @@ def _sums_hold(
             bs.tolist(), indices.tolist(), begin.tolist(), take.tolist(), pads.tolist(), strict=True
         )
     ):
-        digest = xxhash.xxh3_64(heads[b, index, CHECKED_FROM:].tobytes())
+        head = slots[b, index, proto.MAX_PREFIX :]
+        digest = xxhash.xxh3_64(head[CHECKED_FROM:].tobytes())
         for piece in read.pieces(b, at, taken):
             digest.update(piece)
         digest.update(zeros[:pad])
-        out[row] = digest.digest() == heads[b, index, :CHECKED_FROM].tobytes()
+        out[row] = digest.digest() == head[:CHECKED_FROM].tobytes()
     return out
 
 

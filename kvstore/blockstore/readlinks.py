@@ -45,9 +45,10 @@ ReadEndpoint = tuple[str, int]
 #: (block positions, stripe indices) of shards, in the order they were asked.
 Items = tuple[np.ndarray, np.ndarray]
 
-#: ``place(blocks, indices, lengths) -> (buffers, taken)``: where the served shards' bytes go,
-#: in order, and which of them the caller takes (the others land in scratch).
-Place = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[list[memoryview], np.ndarray]]
+#: ``place(blocks, indices, lengths, prefix) -> (buffers, taken)``: where the served shards'
+#: bytes go, in order, each after ``prefix`` bytes to skip (``readproto``), and which of them
+#: the caller takes (the others land in scratch).
+Place = Callable[[np.ndarray, np.ndarray, np.ndarray, int], tuple[list[memoryview], np.ndarray]]
 
 #: One request to a node: the shards it asks for and its frame.
 Request = tuple[Items, bytes]
@@ -181,13 +182,16 @@ class _Reply:
     def _on_head(self) -> None:
         (bs, _), _ = self.requests[0]
         frame = int.from_bytes(self._head[:_LENGTH_BYTES], "big")
-        magic, refusal, count, data_bytes = proto.REPLY.unpack_from(self._head, _LENGTH_BYTES)
-        if magic != proto.REPLY_MAGIC or count != len(bs):
+        magic, refusal, prefix, count, data_bytes = proto.REPLY.unpack_from(
+            self._head, _LENGTH_BYTES
+        )
+        if magic != proto.REPLY_MAGIC or count != len(bs) or prefix > proto.MAX_PREFIX:
             raise ProtocolError(f"node {self.node}: not a reply to {len(bs)} keys")
         table_size = proto.table_bytes(count)
         if frame != proto.REPLY.size + table_size + data_bytes:
             raise ProtocolError(f"node {self.node}: a reply frame of {frame} bytes is inconsistent")
-        self._refusal, self._count, self._data_bytes = refusal, count, data_bytes
+        self._refusal, self._prefix, self._count = refusal, prefix, count
+        self._data_bytes = data_bytes
         self._table = bytearray(table_size)
         self._scatter = Scatter([memoryview(self._table)])
         self._stage = "table"
@@ -198,7 +202,11 @@ class _Reply:
         statuses = np.frombuffer(self._table, np.uint8, count)
         lengths = np.frombuffer(self._table, "<u4", count, proto.padded(count)).astype(np.int64)
         served = statuses == proto.OK
-        if int(lengths[served].sum()) != self._data_bytes or lengths[~served].any():
+        prefix = self._prefix
+        if (
+            int(lengths[served].sum()) + prefix * int(served.sum()) != self._data_bytes
+            or lengths[~served].any()
+        ):
             raise ProtocolError(f"node {self.node}: reply lengths do not add up")
         if self._refusal:
             counters[f"refused_{proto.NAMES.get(self._refusal, self._refusal)}"] += count
@@ -206,11 +214,11 @@ class _Reply:
             for status, times in Counter(statuses[~served].tolist()).items():
                 counters[f"shards_{proto.NAMES.get(status, status)}"] += times
         bs, indices, lengths = bs[served], indices[served], lengths[served]
-        pieces, taken = place(bs, indices, lengths)
+        pieces, taken = place(bs, indices, lengths, prefix)
         counters["shards_served"] += len(bs)
         self._items = (bs, indices)
         self._taken = taken
-        self._shard_ends = list(itertools.accumulate(lengths.tolist()))
+        self._shard_ends = list(itertools.accumulate((lengths + prefix).tolist()))
         self._scatter = Scatter(pieces)
         self._stage = "data"
 

@@ -26,14 +26,16 @@ What makes it safe to listen, as for the fastcall socket (``kvstore.fastcall.ser
   first, the bytes read only once reserved, a request over the budget answered ``BUSY`` per
   shard. A sendfile reply holds no reply bytes in the process.
 
-The reply goes out with as few copies as the socket allows. On a plain socket each shard is
-sent straight from its segment file (``os.sendfile``: page cache to socket, never through this
-process), its place found in the node's index under the actor's lock and the segment's
-descriptor duplicated, so the send runs without the lock (the log is only appended to, and a
-duplicated descriptor keeps a compacted segment readable). Under TLS, which encrypts in this
-process, the node reads the served shards end to end into one buffer (``StorageNode.get``: one
-``preadv`` each, under the lock), sent with the status table in one frame. Revocations come
-through the actor (Ray), never through this socket.
+The reply goes out with as few copies and calls as the socket allows. On a plain socket each
+shard is sent as its whole record, straight from its segment file (``os.sendfile``: page cache
+to socket, never through this process), records that lie end to end (a put batch's) in one
+call, corked so they leave in full segments; the record header before each shard is the
+reply's prefix (``readproto``). Places are found in the node's index under the actor's lock and
+the segment's descriptor duplicated, so the send runs without the lock (the log is only
+appended to, and a duplicated descriptor keeps a compacted segment readable). Under TLS,
+which encrypts in this process, the node reads the served shards end to end into one buffer
+(``StorageNode.get``: one ``preadv`` each, under the lock), sent with the status table in one
+frame, with no prefix. Revocations come through the actor (Ray), never through this socket.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from kvstore.blockstore.capability import (
     check_current,
     check_grant,
 )
+from kvstore.blockstore.segments import RECORD_BYTES
 from kvstore.clock import Clock, SystemClock
 from kvstore.fastcall.admission import HandshakeSlots, Slot
 from kvstore.fastcall.budget import BUDGET_WAIT_S, Budget
@@ -190,7 +193,8 @@ class EngineReadServer:
         )
 
     def stats(self) -> dict[str, Any]:
-        """Shards served and refused (by reason), bytes sent, peers dropped, requests busy."""
+        """Shards served and refused (by reason), bytes sent, sends from the segment files (one
+        per run of records), peers dropped, requests busy."""
         with self._counting:
             counts = dict(self._counts)
         return {
@@ -354,19 +358,35 @@ class EngineReadServer:
         extents: list[tuple[int, int, int] | None],
         readers: dict[int, int],
     ) -> _Reply:
-        sends: list[tuple[int, int, int]] = []
-        served: list[int] = []
-        for position, extent in zip(allowed, extents, strict=True):
-            if extent is not None:
-                seq, offset, length = extent
-                served.append(position)
-                sends.append((readers[seq], offset, length))
+        """The reply sending each held shard as its whole record (the header before it is the
+        reply's prefix, ``readproto``), records that lie end to end in one send each."""
+        served = [position for position, extent in zip(allowed, extents, strict=True) if extent]
+        held = [extent for extent in extents if extent is not None]
         statuses[allowed] = proto.MISSING
         statuses[served] = proto.OK
-        lengths[served] = [length for _, _, length in sends]
-        total = int(lengths.sum())
-        self._count(served=len(sends), missing=len(allowed) - len(sends), bytes_sent=total)
-        parts = _parts(statuses, lengths, total, None)
+        sends: list[tuple[int, int, int]] = []
+        total = 0
+        if held:
+            columns = zip(*held, strict=True)
+            seqs, offsets, sizes = (np.array(column, np.int64) for column in columns)
+            lengths[served] = sizes
+            starts = offsets - RECORD_BYTES
+            ends = offsets + sizes
+            total = int(ends.sum() - starts.sum())
+            joined = np.ones(len(held), bool)  # False: the record continues the one before
+            joined[1:] = (seqs[1:] != seqs[:-1]) | (starts[1:] != ends[:-1])
+            first = np.flatnonzero(joined)
+            last = np.append(first[1:], len(held)) - 1
+            sends = [
+                (readers[seq], start, end - start)
+                for seq, start, end in zip(
+                    seqs[first].tolist(), starts[first].tolist(), ends[last].tolist(), strict=True
+                )
+            ]
+        self._count(
+            served=len(held), missing=len(allowed) - len(held), bytes_sent=total, sends=len(sends)
+        )
+        parts = _parts(statuses, lengths, total, None, RECORD_BYTES)
         return _Reply(parts, sends, list(readers.values()))
 
     def _from_buffer(
@@ -417,12 +437,17 @@ class EngineReadServer:
 
 
 def _parts(
-    statuses: np.ndarray, lengths: np.ndarray, data_bytes: int, refused: CapabilityRefused | None
+    statuses: np.ndarray,
+    lengths: np.ndarray,
+    data_bytes: int,
+    refused: CapabilityRefused | None,
+    prefix: int = 0,
 ) -> list[Any]:
-    """A reply's head, status table (padded) and lengths; its shards' bytes follow."""
+    """A reply's head, status table (padded) and lengths; its shards' bytes follow, each
+    after ``prefix`` bytes."""
     count = len(statuses)
     code = 0 if refused is None else proto.STATUS[refused.reason]
-    head = proto.REPLY.pack(proto.REPLY_MAGIC, code, count, data_bytes)
+    head = proto.REPLY.pack(proto.REPLY_MAGIC, code, prefix, count, data_bytes)
     table = np.zeros(proto.padded(count), np.uint8)
     table[:count] = statuses
     return [head, table, lengths.astype("<u4", copy=False)]
@@ -437,6 +462,8 @@ def _send_extents(sock: socket.socket, reply: _Reply, deadline: float) -> None:
     head = b"".join(bytes(memoryview(part).cast("B")) for part in reply.parts)
     total = len(head) + sum(length for _, _, length in reply.extents)
     sock.settimeout(None)  # blocking: SO_SNDTIMEO bounds each wait
+    # Corked, the head and the runs leave in full segments, not one short one per send.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
     sock.sendall(_LENGTH.pack(total) + head)
     out = sock.fileno()
     for fd, offset, length in reply.extents:
@@ -448,3 +475,4 @@ def _send_extents(sock: socket.socket, reply: _Reply, deadline: float) -> None:
                 raise EOFError("engine reads: a segment file is shorter than its index says")
             offset += sent
             length -= sent
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)

@@ -54,10 +54,15 @@ def test_a_leases_blocks_read_straight_from_the_nodes(handles: BlockStoreHandles
     config = handles.config
     reader = DirectReader(endpoints, config.data_shards, config.parity_shards)
     out = np.zeros(len(keys) * SIZE, np.uint8)
+    sends_before = _sends(handles)
     assert reader.read_into(capability, list(lease.blocks), out) == [True] * len(keys)
     for b, payload in enumerate(payloads):
         assert np.array_equal(out[b * SIZE : (b + 1) * SIZE], payload)
     assert reader.counters["fast_blocks"] == len(keys)
+    # The put laid each node's data shards end to end (data first, ``client._by_node``): each
+    # node answered its one request with one send from its segment file.
+    sent = _sends(handles)
+    assert {node: sent[node] - sends_before[node] for node in sent} == dict.fromkeys(sent, 1)
 
     # Released: the tier revokes through the actors; the same capability reads nothing.
     assert handles.revoke([lease.lease_id], lease.until) == 12
@@ -67,6 +72,15 @@ def test_a_leases_blocks_read_straight_from_the_nodes(handles: BlockStoreHandles
     stats = ray.get(handles.nodes[0].stats.remote(), timeout=30)["engine_reads"]
     assert stats["revoked"] == 1 and stats.get("refused_revoked", 0) > 0
     client.release(lease)
+
+
+def _sends(handles: BlockStoreHandles) -> dict[int, int]:
+    """Each node's sends from its segment files so far (``EngineReadServer.stats``)."""
+    stats = ray.get([h.stats.remote() for h in handles.nodes.values()], timeout=30)
+    return {
+        node: found["engine_reads"].get("sends", 0)
+        for node, found in zip(handles.nodes, stats, strict=True)
+    }
 
 
 def test_a_key_made_up_by_an_engine_reads_nothing(handles: BlockStoreHandles) -> None:

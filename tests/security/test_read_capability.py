@@ -72,7 +72,7 @@ class Reply:
     def __init__(self, sock: socket.socket) -> None:
         (frame,) = struct.unpack(">I", _read_exact(sock, 4))
         body = _read_exact(sock, frame)
-        magic, self.refusal, count, self.data_bytes = proto.REPLY.unpack_from(body)
+        magic, self.refusal, self.prefix, count, self.data_bytes = proto.REPLY.unpack_from(body)
         assert magic == proto.REPLY_MAGIC
         at = proto.REPLY.size
         self.statuses = [proto.NAMES[s] for s in body[at : at + count]]
@@ -124,7 +124,7 @@ def test_a_capability_reads_exactly_its_leases_shards_and_the_bytes_are_right(
     assert reply.statuses == ["ok"] * len(inside) + ["other_shard"] * len(outside)
     assert reply.lengths[len(inside) :] == [0] * len(outside)
     shard_len = reply.lengths[0]
-    assert reply.data_bytes == shard_len * len(inside)
+    assert reply.data_bytes == (reply.prefix + shard_len) * len(inside)
 
 
 def test_a_forged_capability_is_refused_and_nothing_served(tier: ReadNodes) -> None:

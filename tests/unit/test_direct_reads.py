@@ -80,6 +80,37 @@ def test_every_block_lands_in_place_without_a_decode(tier: ReadNodes) -> None:
     assert reader.counters["decoded_blocks"] == 0
 
 
+def test_a_nodes_shards_that_lie_end_to_end_go_in_one_send(tier: ReadNodes) -> None:
+    """A put batch's shards lie end to end in a node's segment file: the node sends them as
+    one run of whole records (the reader skips each record header, the reply's prefix)."""
+    blocks = _lease(tier)
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    assert reader.read_into(tier.capability(blocks), blocks, out) == [True] * len(blocks)
+    _check(tier, blocks, out, [True] * len(blocks))
+    for server in tier.servers:
+        stats = server.stats()
+        assert stats["served"] > 1 and stats["sends"] == 1, stats
+
+
+def test_shards_asked_out_of_their_order_on_disk_arrive_whole(tier: ReadNodes) -> None:
+    """Shards asked in another order than they lie, or with one missing between them, go as
+    separate runs; every byte still lands where it belongs."""
+    blocks = _lease(tier)[::-1]
+    for node in tier.nodes:  # one shard gone from every node: the run breaks around it
+        key = blocks[5].key
+        if node.locate([key])[0] is not None:
+            node.delete([key])
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    assert ok == [b != 5 for b in range(len(blocks))]
+    _check(tier, blocks, out, ok)
+    assert sum(server.stats()["sends"] for server in tier.servers) == sum(
+        server.stats()["served"] for server in tier.servers
+    )
+
+
 def test_blocks_go_where_the_offsets_say(tier: ReadNodes) -> None:
     blocks = _lease(tier)[:3]
     reader = DirectReader(tier.endpoints, 10, 2)
