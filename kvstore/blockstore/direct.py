@@ -4,10 +4,11 @@ its own buffer.
 The gateway path relays every byte (node → gateway → gRPC → engine, ~7 copies). Here the
 engine's fetcher asks each node's engine read socket (``readserver``) for the shards the lease's
 read capability names there (``capability``), and the shard bytes land where the block goes:
-the reply of a node is received with ``recvmsg_into`` straight into the caller's buffer, each
-data shard's fragment at its place in its block (or cut at the layer boundaries it crosses, for
-a layer-major staging region: ``Spread``), its 64-byte header into a small table beside (no
-``bytes`` per block or shard). Importable without Ray or any server module.
+the reply of a node is received with ``recvmsg`` straight into the caller's buffer, each data
+shard's fragment at its place in its block (or cut at the layer boundaries it crosses, for a
+layer-major staging region: ``Spread``), its 64-byte header (after the reply's prefix, skipped)
+into a small table beside; the pieces are named by arrays (``readlinks.Scatter``), with no
+``bytes`` or memoryview per block or shard. Importable without Ray or any server module.
 
 **Order.** Every request goes out at once and the replies of all nodes are taken as their
 bytes arrive, a turn of each ready node at a time (``readlinks.NodeLinks.exchange``). A reader
@@ -50,7 +51,7 @@ import xxhash
 
 from kvstore.blockstore import readproto as proto
 from kvstore.blockstore.capability import ReadCapability
-from kvstore.blockstore.readlinks import Items, NodeLinks, ReadEndpoint, Request
+from kvstore.blockstore.readlinks import Items, NodeLinks, ReadEndpoint, Request, Scatter
 from kvstore.blockstore.records import BlockLocation
 from kvstore.ec.codec import Codec
 from kvstore.ec.shard import (
@@ -169,6 +170,8 @@ class _Read:
 
 #: A shard's header and room before it for a reply's prefix (``readproto``), in ``_fast``.
 _SLOT = proto.MAX_PREFIX + HEADER_BYTES
+#: The buffers ``_fast`` receives into: the read's, the header slots, scratch.
+_VIEW, _SLOTS, _SCRATCH = 0, 1, 2
 
 #: ``on_prefix(nbytes, whole) -> handed on``: see ``DirectReader.read_into``.
 OnPrefix = Callable[[int, np.ndarray], bool]
@@ -300,38 +303,31 @@ class DirectReader:
 
         def place(
             bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray, prefix: int
-        ) -> tuple[list[memoryview], np.ndarray]:
+        ) -> tuple[Scatter, np.ndarray]:
+            """Per served shard, in order: its prefix and header into its slot, its fragment's
+            pieces where the read puts them, its padding into scratch; a shard that is not
+            this block's (another length) into scratch whole."""
             fragment = fragments[bs]
             fits = lengths == HEADER_BYTES + fragment
             begin = indices * fragment
-            take = np.clip(sizes[bs] - begin, 0, fragment)
+            take = np.minimum(np.maximum(sizes[bs] - begin, 0), fragment)
             most = prefix + int(lengths.max(initial=0))
             if most > len(scratch[0]):
                 scratch[0] = memoryview(bytearray(most))
-            junk = scratch[0]
-            view = read.view
             piece_at, piece_len = read.piece_table(bs, begin, take)
-            pieces: list[memoryview] = []
-            add = pieces.append
-            for fit, slot_end, ats, lens, pad, length in zip(
-                fits.tolist(),
-                ((bs * k + indices + 1) * _SLOT).tolist(),
-                piece_at.tolist(),
-                piece_len.tolist(),
-                (fragment - take).tolist(),
-                lengths.tolist(),
-                strict=True,
-            ):
-                if not fit:  # not this block's shard: read into nothing
-                    add(junk[: prefix + length])
-                    continue
-                add(slot_view[slot_end - HEADER_BYTES - prefix : slot_end])
-                for at, nbytes in zip(ats, lens, strict=True):
-                    if nbytes:
-                        add(view[at : at + nbytes])
-                if pad:  # the last fragment's padding
-                    add(junk[:pad])
-            return pieces, fits
+            columns = piece_at.shape[1] + 2  # header, the fragment's pieces, padding
+            which = np.full((len(bs), columns), _VIEW, np.int64)
+            at = np.zeros_like(which)
+            length = np.zeros_like(which)
+            which[:, 0] = np.where(fits, _SLOTS, _SCRATCH)
+            at[:, 0] = np.where(fits, (bs * k + indices + 1) * _SLOT - HEADER_BYTES - prefix, 0)
+            length[:, 0] = np.where(fits, HEADER_BYTES, lengths) + prefix
+            at[:, 1:-1] = piece_at
+            length[:, 1:-1] = np.where(fits[:, None], piece_len, 0)
+            which[:, -1] = _SCRATCH
+            length[:, -1] = np.where(fits, fragment - take, 0)
+            buffers = (read.view, slot_view, scratch[0])
+            return Scatter(buffers, which.ravel(), at.ravel(), length.ravel()), fits
 
         def check() -> None:
             """The shards landed since the last check: their headers against the block and
@@ -428,14 +424,19 @@ class DirectReader:
 
         def place(
             bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray, prefix: int
-        ) -> tuple[list[memoryview], np.ndarray]:
-            skip = memoryview(bytearray(prefix))
-            pieces = []
-            for b, index, length in zip(
-                bs.tolist(), indices.tolist(), lengths.tolist(), strict=True
+        ) -> tuple[Scatter, np.ndarray]:
+            # Each shard into an array of its own (a view of one for the reply), its prefix
+            # into scratch.
+            whole = np.empty(int(lengths.sum()), np.uint8)
+            starts = np.cumsum(lengths) - lengths
+            for b, index, start, length in zip(
+                bs.tolist(), indices.tolist(), starts.tolist(), lengths.tolist(), strict=True
             ):
-                shard = landing[b, index] = np.empty(length, np.uint8)
-                pieces += [skip, memoryview(shard)]  # type: ignore[arg-type]
+                landing[b, index] = whole[start : start + length]
+            which = np.tile(np.array([0, 1], np.int64), len(bs))
+            at = np.column_stack([np.zeros_like(starts), starts]).ravel()
+            length = np.column_stack([np.full_like(lengths, prefix), lengths]).ravel()
+            pieces = Scatter((bytearray(prefix), whole), which, at, length)
             return pieces, np.ones(len(bs), bool)
 
         rows = np.array(chosen, np.int64)

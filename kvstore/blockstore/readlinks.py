@@ -6,9 +6,10 @@ the replies of all nodes as their bytes arrive, over one ``poll`` of every socke
 after node: while the reader drains one node the others keep sending, and every block's
 shards arrive in the order each node was asked for them (``DirectReader`` asks stripe position
 0 of every block first when it hands bytes on as they arrive). Each reply's shard bytes are
-received straight into the buffers the caller's ``place`` names (``recvmsg_into`` on a plain
-socket; TLS has no scatter receive, so piece by piece there), and the caller is told of each
-shard as soon as its last byte is in (``on_shards``).
+received straight into the pieces the caller's ``place`` names (``Scatter``: one ``recvmsg``
+whose iovec is built in C from the pieces' arrays on a plain socket; TLS has no scatter
+receive, so piece by piece there), and the caller is told of each shard as soon as its last
+byte is in (``on_shards``).
 
 Failures never escape: a node that cannot be reached, times out or answers what is not a reply
 loses its connection and is asked nothing more in this exchange; what it sent whole before
@@ -27,15 +28,25 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 from kvstore.blockstore import readproto as proto
 from kvstore.fastcall.tls import ClientTLS, client_context, tls_handshake
 
+_pieces: ModuleType | None
+try:  # the receive's iovec built in C; without a compiler at install, ``Scatter``'s views serve
+    from kvstore.blockstore import _recvpieces as _pieces
+except ImportError:  # pragma: no cover - the CI machine builds it
+    _pieces = None
+
 #: Buffers one ``recvmsg_into`` fills at the most (IOV_MAX is 1024 on Linux).
 _MAX_PIECES = 512
+#: Buffers a ``Scatter``'s pieces may lie in (the C receive's limit).
+MAX_BUFFERS = 8
 _LENGTH_BYTES = 4
 _HEAD_BYTES = _LENGTH_BYTES + proto.REPLY.size
 
@@ -45,10 +56,10 @@ ReadEndpoint = tuple[str, int]
 #: (block positions, stripe indices) of shards, in the order they were asked.
 Items = tuple[np.ndarray, np.ndarray]
 
-#: ``place(blocks, indices, lengths, prefix) -> (buffers, taken)``: where the served shards'
+#: ``place(blocks, indices, lengths, prefix) -> (pieces, taken)``: where the served shards'
 #: bytes go, in order, each after ``prefix`` bytes to skip (``readproto``), and which of them
 #: the caller takes (the others land in scratch).
-Place = Callable[[np.ndarray, np.ndarray, np.ndarray, int], tuple[list[memoryview], np.ndarray]]
+Place = Callable[[np.ndarray, np.ndarray, np.ndarray, int], tuple["Scatter", np.ndarray]]
 
 #: One request to a node: the shards it asks for and its frame.
 Request = tuple[Items, bytes]
@@ -59,35 +70,99 @@ class ProtocolError(Exception):
 
 
 class Scatter:
-    """Buffers filled in order from a stream, as much as the socket holds per call; where a
-    call stopped is found by bisection, not by walking the buffers."""
+    """Pieces of a few buffers filled in order from a stream, as much as the socket holds per
+    call. Piece ``p`` is ``buffers[which[p]][offsets[p]:][:lengths[p]]``: arrays, not a Python
+    object a piece, so a reply of a thousand pieces costs a few array passes; one C call
+    (``_recvpieces``) builds each receive's iovec from them. On TLS, a socket with a timeout or
+    without the extension, memoryviews of the next pieces serve (``recvmsg_into``)."""
 
-    def __init__(self, pieces: list[memoryview]) -> None:
-        self.pieces = [piece for piece in pieces if len(piece)]
-        self.ends = list(itertools.accumulate(map(len, self.pieces)))
-        self.total = self.ends[-1] if self.ends else 0
+    def __init__(
+        self,
+        buffers: Sequence[Any],
+        which: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+    ) -> None:
+        """``ValueError`` when a piece lies outside its buffer (checked once, here), or for
+        more than ``MAX_BUFFERS`` buffers. Pieces of length 0 are skipped (wherever they point)."""
+        if len(buffers) > MAX_BUFFERS:
+            raise ValueError(f"scatter: {len(buffers)} buffers, {MAX_BUFFERS} at the most")
+        self.buffers = tuple(buffers)
+        self.which = which = np.ascontiguousarray(which, np.int64)
+        self.offsets = offsets = np.ascontiguousarray(offsets, np.int64)
+        self.lengths = lengths = np.ascontiguousarray(lengths, np.int64)
+        sizes = np.array([memoryview(buffer).nbytes for buffer in self.buffers], np.int64)
+        used = lengths != 0  # an empty piece takes no byte: where it points does not count
+        if used.any() and (
+            which[used].min() < 0
+            or which[used].max() >= len(sizes)
+            or offsets[used].min() < 0
+            or lengths.min() < 0
+            or (offsets + lengths > sizes[np.where(used, which, 0)])[used].any()
+        ):
+            raise ValueError("scatter: a piece lies outside its buffer")
+        self.ends = np.cumsum(lengths)
+        self.total = int(self.ends[-1]) if len(self.ends) else 0
         self.done = 0
-        self._at = 0  # the first piece not yet full
+        self._at = int(np.searchsorted(self.ends, 0, "right"))  # the first piece not yet full
+        self._into = 0  # bytes of it filled
 
     def receive(self, sock: socket.socket, most: int | None = None) -> int:
-        """One receive into the next buffers, of about ``most`` bytes at the most (default:
-        what the socket holds); the bytes it took (``EOFError`` at the end of the stream;
+        """One receive into the next pieces, of at most ``most`` bytes (default: what the
+        socket holds); the bytes it took (``EOFError`` at the end of the stream;
         ``BlockingIOError`` / ``ssl.SSLWantReadError`` on a non-blocking socket with nothing
         to take)."""
-        at = self._at
+        at, into = self._at, self._into
         if isinstance(sock, ssl.SSLSocket):
-            got = sock.recv_into(self.pieces[at])
+            view = self._piece(at)[into:]
+            got = sock.recv_into(view, len(view) if most is None else min(most, len(view)))
+        elif _pieces is not None and sock.gettimeout() == 0.0:
+            got = _pieces.recv_pieces(
+                sock.fileno(),
+                self.buffers,
+                self.which,
+                self.offsets,
+                self.lengths,
+                at,
+                into,
+                -1 if most is None else most,
+            )
         else:
-            stop = at + _MAX_PIECES
+            stop = min(len(self.lengths), at + _MAX_PIECES)
+            if most is not None:  # the pieces up to ``most`` bytes, the last one cut there
+                stop = min(stop, int(np.searchsorted(self.ends, self.done + most, "left")) + 1)
+            views = [self._piece(p) for p in range(at, stop)]
+            views[0] = views[0][into:]
             if most is not None:
-                stop = min(stop, max(at + 1, bisect.bisect_right(self.ends, self.done + most)))
-            got = sock.recvmsg_into(self.pieces[at:stop])[0]
+                views[-1] = views[-1][: len(views[-1]) - max(0, sum(map(len, views)) - most)]
+            got = sock.recvmsg_into(views)[0]
         if not got:
             raise EOFError("engine reads: the node closed the connection")
         self.done += got
-        at = self._at = bisect.bisect_right(self.ends, self.done, at)
-        if at < len(self.pieces) and self.done > self.ends[at] - len(self.pieces[at]):
-            self.pieces[at] = self.pieces[at][len(self.pieces[at]) - (self.ends[at] - self.done) :]
+        at = self._at = int(np.searchsorted(self.ends, self.done, "right"))
+        self._into = self.done - int(self.ends[at] - self.lengths[at]) if at < len(self.ends) else 0
+        return got
+
+    def _piece(self, p: int) -> memoryview:
+        at = int(self.offsets[p])
+        buffer = memoryview(self.buffers[int(self.which[p])]).cast("B")
+        return buffer[at : at + int(self.lengths[p])]
+
+
+class _Whole:
+    """One buffer filled from a stream (a reply's head or status table), as a ``Scatter`` of
+    one piece without its tables."""
+
+    def __init__(self, buffer: bytearray) -> None:
+        self._view = memoryview(buffer)
+        self.total = len(buffer)
+        self.done = 0
+
+    def receive(self, sock: socket.socket, most: int | None = None) -> int:
+        got = sock.recv_into(self._view[self.done :])
+        if not got:
+            raise EOFError("engine reads: the node closed the connection")
+        self.done += got
         return got
 
 
@@ -142,7 +217,7 @@ class _Reply:
 
     def _start(self) -> None:
         self._head = bytearray(_HEAD_BYTES)
-        self._scatter = Scatter([memoryview(self._head)])
+        self._scatter: Scatter | _Whole = _Whole(self._head)
         self._stage = "head"
         self._table = bytearray()
         self._data_bytes = 0
@@ -193,7 +268,7 @@ class _Reply:
         self._refusal, self._prefix, self._count = refusal, prefix, count
         self._data_bytes = data_bytes
         self._table = bytearray(table_size)
-        self._scatter = Scatter([memoryview(self._table)])
+        self._scatter = _Whole(self._table)
         self._stage = "table"
 
     def _on_table(self, place: Place, counters: Counter[str]) -> None:
@@ -214,12 +289,11 @@ class _Reply:
             for status, times in Counter(statuses[~served].tolist()).items():
                 counters[f"shards_{proto.NAMES.get(status, status)}"] += times
         bs, indices, lengths = bs[served], indices[served], lengths[served]
-        pieces, taken = place(bs, indices, lengths, prefix)
+        self._scatter, taken = place(bs, indices, lengths, prefix)
         counters["shards_served"] += len(bs)
         self._items = (bs, indices)
         self._taken = taken
         self._shard_ends = list(itertools.accumulate((lengths + prefix).tolist()))
-        self._scatter = Scatter(pieces)
         self._stage = "data"
 
     def _room(self, limit: int | None) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import socket
 import threading
 import time
@@ -15,7 +16,7 @@ import pytest
 from certs import self_signed
 from readnodes import ReadNodes, block_key
 
-from kvstore.blockstore import direct
+from kvstore.blockstore import direct, readlinks
 from kvstore.blockstore.direct import DirectReader, Spread
 from kvstore.blockstore.readlinks import Scatter
 from kvstore.blockstore.readserver import EngineReadServer
@@ -36,14 +37,28 @@ def tier(tmp_path) -> Iterator[ReadNodes]:  # type: ignore[no-untyped-def]
     nodes.close()
 
 
+def _c_or_python(
+    request: pytest.FixtureRequest, patch: pytest.MonkeyPatch, where: object, name: str
+) -> str:
+    """Param "c": the C extension ``where.name`` (the CI machine builds it); "python": None
+    there, so its Python reference serves."""
+    if request.param == "python":
+        patch.setattr(where, name, None)
+    else:
+        assert getattr(where, name) is not None
+    return str(request.param)
+
+
 @pytest.fixture(params=["c", "python"])
 def checksums(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The shard checksums by the C extension (``_shardsums``), or by its Python reference."""
-    if request.param == "python":
-        monkeypatch.setattr(direct, "_sums", None)
-    else:
-        assert direct._sums is not None  # the CI machine builds it
-    return str(request.param)
+    return _c_or_python(request, monkeypatch, direct, "_sums")
+
+
+@pytest.fixture(params=["c", "python"])
+def receive_in(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The scatter receive by the C extension (``_recvpieces``), or by memoryviews."""
+    return _c_or_python(request, monkeypatch, readlinks, "_pieces")
 
 
 def _lease(tier: ReadNodes) -> list[BlockLocation]:
@@ -69,7 +84,7 @@ def _damage(tier: ReadNodes, node: int, key: bytes, at: int = 10) -> None:
         file.write(bytes([byte[0] ^ 0xFF]))
 
 
-def test_every_block_lands_in_place_without_a_decode(tier: ReadNodes) -> None:
+def test_every_block_lands_in_place_without_a_decode(tier: ReadNodes, receive_in: str) -> None:
     blocks = _lease(tier)
     reader = DirectReader(tier.endpoints, 10, 2)
     out = np.zeros(len(blocks) * SIZE, np.uint8)
@@ -152,7 +167,7 @@ def _check_layer_major(
             assert np.array_equal(out[at : at + length], payload[offset : offset + length])
 
 
-def test_blocks_land_layer_major_where_the_spread_says(tier: ReadNodes) -> None:
+def test_blocks_land_layer_major_where_the_spread_says(tier: ReadNodes, receive_in: str) -> None:
     """A load's staging is layer-major: each fragment is cut at the layer boundaries it
     crosses and lands in each layer's section at its block's row; nothing else is written."""
     blocks = _lease(tier)[:6]
@@ -380,8 +395,9 @@ def test_a_segment_cut_short_behind_the_nodes_back_is_read_around(tier: ReadNode
     assert reader.counters["node_failures"] > 0 and reader.counters["decoded_blocks"] > 0
 
 
-def test_a_reply_cut_anywhere_by_the_stream_fills_every_piece_in_order() -> None:
-    """The scatter receive resumes where each ``recvmsg_into`` stopped, mid-piece or not."""
+def test_a_reply_cut_anywhere_by_the_stream_fills_every_piece_in_order(receive_in: str) -> None:
+    """The scatter receive resumes where each receive stopped, mid-piece or not, over pieces
+    of several buffers in any order, and takes no more than it is allowed at a time."""
     rng = random.Random(5)
     for _ in range(20):
         sender, receiver = socket.socketpair()
@@ -395,17 +411,52 @@ def test_a_reply_cut_anywhere_by_the_stream_fills_every_piece_in_order() -> None
                 sender.sendall(data[at : at + cut])
                 at += cut
 
+        # Each piece somewhere in one of three buffers, the pieces shuffled within them.
+        which = np.array([rng.randrange(3) for _ in sizes], np.int64)
+        offsets = np.zeros(len(sizes), np.int64)
+        buffers = []
+        for b in range(3):
+            mine = np.flatnonzero(which == b).tolist()
+            rng.shuffle(mine)
+            at = 0
+            for p in mine:
+                offsets[p] = at
+                at += sizes[p]
+            buffers.append(bytearray(at))
+        scatter = Scatter(buffers, which, offsets, np.array(sizes, np.int64))
         feeder = threading.Thread(target=feed)
         feeder.start()
-        buffers = [bytearray(size) for size in sizes]
-        scatter = Scatter([memoryview(b) for b in buffers])
-        receiver.settimeout(30)
+        receiver.setblocking(False)
+        poll = select.poll()  # not select.select: this process may hold descriptors past 1024
+        poll.register(receiver, select.POLLIN)
         while scatter.done < scatter.total:
-            scatter.receive(receiver)
+            poll.poll(30_000)
+            most = rng.choice([None, 1, 5000, 100_000])
+            try:
+                got = scatter.receive(receiver, most)
+            except BlockingIOError:
+                continue
+            assert most is None or got <= most
         feeder.join()
-        assert b"".join(buffers) == data
+        landed = b"".join(
+            bytes(buffers[b][o : o + n]) for b, o, n in zip(which, offsets, sizes, strict=True)
+        )
+        assert landed == data
         sender.close()
         receiver.close()
+
+
+def test_a_piece_outside_its_buffer_is_refused_before_any_byte_lands() -> None:
+    buffers = [bytearray(100), bytearray(10)]
+    with pytest.raises(ValueError, match="outside its buffer"):
+        Scatter(buffers, np.array([0, 1]), np.array([0, 5]), np.array([100, 6]))
+    with pytest.raises(ValueError, match="outside its buffer"):
+        Scatter(buffers, np.array([2]), np.array([0]), np.array([1]))
+    assert readlinks._pieces is not None
+    with pytest.raises(ValueError, match="outside its buffer"):  # the C side checks on its own
+        readlinks._pieces.recv_pieces(
+            0, tuple(buffers), np.array([1]), np.array([5]), np.array([6]), 0, 0, -1
+        )
 
 
 def test_reachable_names_the_nodes_this_process_can_dial(tier: ReadNodes) -> None:
