@@ -83,24 +83,15 @@ class Scatter:
         offsets: np.ndarray,
         lengths: np.ndarray,
     ) -> None:
-        """``ValueError`` when a piece lies outside its buffer (checked once, here), or for
-        more than ``MAX_BUFFERS`` buffers. Pieces of length 0 are skipped (wherever they point)."""
+        """``ValueError`` for more than ``MAX_BUFFERS`` buffers. Pieces of length 0 are
+        skipped (wherever they point); a receive into a piece that lies outside its buffer
+        raises ``ValueError`` before any byte lands."""
         if len(buffers) > MAX_BUFFERS:
             raise ValueError(f"scatter: {len(buffers)} buffers, {MAX_BUFFERS} at the most")
         self.buffers = tuple(buffers)
-        self.which = which = np.ascontiguousarray(which, np.int64)
-        self.offsets = offsets = np.ascontiguousarray(offsets, np.int64)
+        self.which = np.ascontiguousarray(which, np.int64)
+        self.offsets = np.ascontiguousarray(offsets, np.int64)
         self.lengths = lengths = np.ascontiguousarray(lengths, np.int64)
-        sizes = np.array([memoryview(buffer).nbytes for buffer in self.buffers], np.int64)
-        used = lengths != 0  # an empty piece takes no byte: where it points does not count
-        if used.any() and (
-            which[used].min() < 0
-            or which[used].max() >= len(sizes)
-            or offsets[used].min() < 0
-            or lengths.min() < 0
-            or (offsets + lengths > sizes[np.where(used, which, 0)])[used].any()
-        ):
-            raise ValueError("scatter: a piece lies outside its buffer")
         self.ends = np.cumsum(lengths)
         self.total = int(self.ends[-1]) if len(self.ends) else 0
         self.done = 0
@@ -144,9 +135,12 @@ class Scatter:
         return got
 
     def _piece(self, p: int) -> memoryview:
-        at = int(self.offsets[p])
-        buffer = memoryview(self.buffers[int(self.which[p])]).cast("B")
-        return buffer[at : at + int(self.lengths[p])]
+        """Piece ``p`` as a view (the C receive checks its pieces on its own)."""
+        b, at, length = int(self.which[p]), int(self.offsets[p]), int(self.lengths[p])
+        buffer = memoryview(self.buffers[b]).cast("B") if 0 <= b < len(self.buffers) else None
+        if buffer is None or at < 0 or length < 0 or at + length > len(buffer):
+            raise ValueError(f"scatter: piece {p} lies outside its buffer")
+        return buffer[at : at + length]
 
 
 class _Whole:

@@ -446,17 +446,25 @@ def test_a_reply_cut_anywhere_by_the_stream_fills_every_piece_in_order(receive_i
         receiver.close()
 
 
-def test_a_piece_outside_its_buffer_is_refused_before_any_byte_lands() -> None:
+def test_a_piece_outside_its_buffer_is_refused_before_any_byte_lands(receive_in: str) -> None:
     buffers = [bytearray(100), bytearray(10)]
-    with pytest.raises(ValueError, match="outside its buffer"):
-        Scatter(buffers, np.array([0, 1]), np.array([0, 5]), np.array([100, 6]))
-    with pytest.raises(ValueError, match="outside its buffer"):
-        Scatter(buffers, np.array([2]), np.array([0]), np.array([1]))
-    assert readlinks._pieces is not None
-    with pytest.raises(ValueError, match="outside its buffer"):  # the C side checks on its own
-        readlinks._pieces.recv_pieces(
-            0, tuple(buffers), np.array([1]), np.array([5]), np.array([6]), 0, 0, -1
+    for which, offset, length in ((1, 5, 6), (2, 0, 1), (0, -1, 2)):
+        sender, receiver = socket.socketpair()
+        sender.sendall(bytes(range(1, 120)))
+        receiver.setblocking(False)
+        time.sleep(0.05)
+        scatter = Scatter(
+            buffers, np.array([0, which]), np.array([0, offset]), np.array([100, length])
         )
+        scatter.receive(receiver, 100)  # the first piece, whole
+        with pytest.raises(ValueError, match="outside its buffer"):
+            scatter.receive(receiver)
+        assert buffers[1] == bytearray(10)
+        assert receiver.recv(100) == bytes(range(101, 120))  # nothing taken by the refusal
+        sender.close()
+        receiver.close()
+    with pytest.raises(ValueError, match="at the most"):
+        Scatter([bytearray(1)] * 9, np.arange(9), np.zeros(9), np.ones(9))
 
 
 def test_reachable_names_the_nodes_this_process_can_dial(tier: ReadNodes) -> None:
