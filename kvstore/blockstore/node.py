@@ -484,28 +484,27 @@ class StorageNode:
 
     def shard_extents(
         self, keys: Sequence[bytes]
-    ) -> tuple[list[tuple[int, int, int] | None], dict[int, int]] | None:
-        """Where each committed shard of ``keys`` is: (segment, offset of its codec shard,
-        bytes), None when not held; and a new read descriptor of each segment named
-        (``SegmentLog.reader``), the caller's to close. For sending the bytes straight from
-        the segment files (``readserver``, ``os.sendfile``) once the node's lock is let go:
-        a record's bytes never change (the log is only appended to), and a descriptor keeps
-        its segment readable even if compaction removes it meanwhile. None where a segment
-        has no descriptor (the log in memory): use ``get``."""
+    ) -> tuple[np.ndarray, np.ndarray, dict[int, int]] | None:
+        """Where the committed shards of ``keys`` are: which keys are held (a bool each), and
+        for the held ones, in order, a row (segment, offset of its codec shard, bytes) of an
+        int64 array; and a new read descriptor of each segment named (``SegmentLog.reader``),
+        the caller's to close. For sending the bytes straight from the segment files
+        (``readserver``, ``os.sendfile``) once the node's lock is let go: a record's bytes
+        never change (the log is only appended to), and a descriptor keeps its segment
+        readable even if compaction removes it meanwhile. None where a segment has no
+        descriptor (the log in memory): use ``get``."""
         self._counters["gets"] += len(keys)
-        rows = [self._committed.get(bytes(key)) for key in keys]
-        held = [row for row in rows if row is not None]
+        committed = self._committed
+        rows = np.fromiter((committed.get(bytes(key), -1) for key in keys), np.int64, len(keys))
+        held = rows >= 0
+        at = rows[held]
+        places = np.empty((len(at), 3), np.int64)
+        places[:, 0] = self._index.column("seg")[at]
+        places[:, 1] = self._index.column("offset")[at] + RECORD_BYTES
+        places[:, 2] = self._index.column("body_len")[at]
         readers: dict[int, int] = {}
-        extents: list[tuple[int, int, int] | None] = [None] * len(keys)
-        if not held:
-            self._counters["get_missing"] += len(keys)
-            return extents, readers
-        at = np.array(held, np.int64)
-        segs = self._index.column("seg")[at].tolist()
-        offsets = (self._index.column("offset")[at] + RECORD_BYTES).tolist()
-        sizes = self._index.column("body_len")[at].tolist()
         try:
-            for seq in set(segs):
+            for seq in np.unique(places[:, 0]).tolist():
                 fd = self._log.reader(seq)
                 if fd is None:
                     raise LookupError(seq)
@@ -514,14 +513,9 @@ class StorageNode:
             for fd in readers.values():
                 os.close(fd)
             return None
-        n = 0
-        for i, row in enumerate(rows):
-            if row is not None:
-                extents[i] = (segs[n], offsets[n], sizes[n])
-                n += 1
-        self._counters["get_missing"] += len(keys) - len(held)
-        self._counters["bytes_read"] += sum(sizes)
-        return extents, readers
+        self._counters["get_missing"] += len(keys) - len(at)
+        self._counters["bytes_read"] += int(places[:, 2].sum())
+        return held, places, readers
 
     def read_shards(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
         """Like ``get`` but one array per key (None = not held)."""

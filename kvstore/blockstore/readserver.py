@@ -86,7 +86,7 @@ class ShardSource(Protocol):
 
     def shard_extents(
         self, keys: list[bytes]
-    ) -> tuple[list[tuple[int, int, int] | None], dict[int, int]] | None: ...
+    ) -> tuple[np.ndarray, np.ndarray, dict[int, int]] | None: ...
 
     def shard_sizes(self, keys: list[bytes]) -> list[int]: ...
 
@@ -355,36 +355,37 @@ class EngineReadServer:
         allowed: list[int],
         statuses: np.ndarray,
         lengths: np.ndarray,
-        extents: list[tuple[int, int, int] | None],
+        held: np.ndarray,
+        places: np.ndarray,
         readers: dict[int, int],
     ) -> _Reply:
-        """The reply sending each held shard as its whole record (the header before it is the
-        reply's prefix, ``readproto``), records that lie end to end in one send each."""
-        served = [position for position, extent in zip(allowed, extents, strict=True) if extent]
-        held = [extent for extent in extents if extent is not None]
-        statuses[allowed] = proto.MISSING
+        """The reply sending each held shard (``places``: segment, offset, bytes) as its
+        whole record (the header before it is the reply's prefix, ``readproto``), records
+        that lie end to end in one send each."""
+        positions = np.asarray(allowed, np.int64)
+        served = positions[held]
+        statuses[positions] = proto.MISSING
         statuses[served] = proto.OK
-        sends: list[tuple[int, int, int]] = []
-        total = 0
-        if held:
-            columns = zip(*held, strict=True)
-            seqs, offsets, sizes = (np.array(column, np.int64) for column in columns)
-            lengths[served] = sizes
-            starts = offsets - RECORD_BYTES
-            ends = offsets + sizes
-            total = int(ends.sum() - starts.sum())
-            joined = np.ones(len(held), bool)  # False: the record continues the one before
-            joined[1:] = (seqs[1:] != seqs[:-1]) | (starts[1:] != ends[:-1])
-            first = np.flatnonzero(joined)
-            last = np.append(first[1:], len(held)) - 1
-            sends = [
-                (readers[seq], start, end - start)
-                for seq, start, end in zip(
-                    seqs[first].tolist(), starts[first].tolist(), ends[last].tolist(), strict=True
-                )
-            ]
+        seqs, offsets, sizes = places.T
+        lengths[served] = sizes
+        starts = offsets - RECORD_BYTES
+        ends = offsets + sizes
+        total = int((ends - starts).sum())
+        joined = np.ones(len(places), bool)  # False: the record continues the one before
+        joined[1:] = (seqs[1:] != seqs[:-1]) | (starts[1:] != ends[:-1])
+        first = np.flatnonzero(joined)
+        last = np.append(first[1:], len(places)) - 1
+        sends = [
+            (readers[seq], start, end - start)
+            for seq, start, end in zip(
+                seqs[first].tolist(), starts[first].tolist(), ends[last].tolist(), strict=True
+            )
+        ]
         self._count(
-            served=len(held), missing=len(allowed) - len(held), bytes_sent=total, sends=len(sends)
+            served=len(places),
+            missing=len(allowed) - len(places),
+            bytes_sent=total,
+            sends=len(sends),
         )
         parts = _parts(statuses, lengths, total, None, RECORD_BYTES)
         return _Reply(parts, sends, list(readers.values()))
