@@ -122,8 +122,8 @@ class Scatter:
             stop = min(len(self.lengths), at + _MAX_PIECES)
             if most is not None:  # the pieces up to ``most`` bytes, the last one cut there
                 stop = min(stop, int(np.searchsorted(self.ends, self.done + most, "left")) + 1)
-            views = [self._piece(p) for p in range(at, stop)]
-            views[0] = views[0][into:]
+            views = [self._piece(p) for p in range(at, stop) if self.lengths[p]]
+            views[0] = views[0][into:]  # piece ``at``: never empty
             if most is not None:
                 views[-1] = views[-1][: len(views[-1]) - max(0, sum(map(len, views)) - most)]
             got = sock.recvmsg_into(views)[0]

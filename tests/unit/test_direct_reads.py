@@ -263,7 +263,7 @@ def test_a_block_damaged_after_its_bytes_were_handed_on_is_a_miss(
 
 
 def test_blocks_smaller_than_a_fragment_per_shard_land_whole(
-    tier: ReadNodes, checksums: str
+    tier: ReadNodes, checksums: str, receive_in: str
 ) -> None:
     """A 200-byte block has data in its first 4 fragments only (64 bytes each): the other data
     shards carry padding alone, and the last block's end is the buffer's."""
