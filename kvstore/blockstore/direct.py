@@ -173,6 +173,13 @@ _SLOT = proto.MAX_PREFIX + HEADER_BYTES
 #: The buffers ``_fast`` receives into: the read's, the header slots, scratch.
 _VIEW, _SLOTS, _SCRATCH = 0, 1, 2
 
+
+def _head_at(bs: np.ndarray, indices: np.ndarray, k: int) -> np.ndarray:
+    """Where the header of shard ``indices`` of block ``bs`` lies in ``_fast``'s slots: at the
+    end of its slot, the reply's prefix before it."""
+    return (bs * k + indices) * _SLOT + proto.MAX_PREFIX
+
+
 #: ``on_prefix(nbytes, whole) -> handed on``: see ``DirectReader.read_into``.
 OnPrefix = Callable[[int, np.ndarray], bool]
 
@@ -301,16 +308,21 @@ class DirectReader:
         told = 0  # stripe positions told to ``on_prefix`` so far
         in_use = False
 
+        def span(bs: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, ...]:
+            """Each shard's fragment length, where its fragment begins in its block and how
+            many of its bytes are the block's (the rest is padding)."""
+            fragment = fragments[bs]
+            begin = indices * fragment
+            return fragment, begin, np.minimum(np.maximum(sizes[bs] - begin, 0), fragment)
+
         def place(
             bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray, prefix: int
         ) -> tuple[Scatter, np.ndarray]:
             """Per served shard, in order: its prefix and header into its slot, its fragment's
             pieces where the read puts them, its padding into scratch; a shard that is not
             this block's (another length) into scratch whole."""
-            fragment = fragments[bs]
+            fragment, begin, take = span(bs, indices)
             fits = lengths == HEADER_BYTES + fragment
-            begin = indices * fragment
-            take = np.minimum(np.maximum(sizes[bs] - begin, 0), fragment)
             most = prefix + int(lengths.max(initial=0))
             if most > len(scratch[0]):
                 scratch[0] = memoryview(bytearray(most))
@@ -320,7 +332,7 @@ class DirectReader:
             at = np.zeros_like(which)
             length = np.zeros_like(which)
             which[:, 0] = np.where(fits, _SLOTS, _SCRATCH)
-            at[:, 0] = np.where(fits, (bs * k + indices + 1) * _SLOT - HEADER_BYTES - prefix, 0)
+            at[:, 0] = np.where(fits, _head_at(bs, indices, k) - prefix, 0)
             length[:, 0] = np.where(fits, HEADER_BYTES, lengths) + prefix
             at[:, 1:-1] = piece_at
             length[:, 1:-1] = np.where(fits[:, None], piece_len, 0)
@@ -345,9 +357,7 @@ class DirectReader:
             good &= claimed == sizes[bs].astype(np.uint64)
             good &= (head[:, 32:64] == read.keys[bs]).all(axis=1)
             good &= (head[:, 24:32] == heads[bs, 0, 24:32]).all(axis=1)  # one write
-            fragment = fragments[bs]
-            begin = indices * fragment
-            take = np.clip(sizes[bs] - begin, 0, fragment)
+            fragment, begin, take = span(bs, indices)
             rows = np.flatnonzero(good)
             good[rows] = _sums_hold(
                 read, slots, bs[rows], indices[rows], begin[rows], take[rows], fragment[rows]
@@ -515,7 +525,7 @@ def _sums_hold(
     if _sums is not None:
         piece_at, piece_len = read.piece_table(bs, begin, take)
         holds = np.zeros(len(bs), np.uint8)
-        head_at = (bs * k + indices) * _SLOT + proto.MAX_PREFIX
+        head_at = _head_at(bs, indices, k)
         _sums.check_sums(slots, head_at, read.view, piece_at, piece_len, pads, holds)
         return holds.view(bool)
     zeros = bytes(int(pads.max(initial=0)))  # padding is zeros (``ec.shard``)

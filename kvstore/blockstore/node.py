@@ -494,8 +494,8 @@ class StorageNode:
         readable even if compaction removes it meanwhile. None where a segment has no
         descriptor (the log in memory): use ``get``."""
         self._counters["gets"] += len(keys)
-        held_row = self._committed.get
-        rows = np.array([held_row(key, -1) for key in keys], np.int64)
+        row_of = self._committed.get
+        rows = np.array([row_of(key, -1) for key in keys], np.int64)
         held = rows >= 0
         at = rows[held]
         places = np.empty((len(at), 3), np.int64)
