@@ -15,12 +15,13 @@
 
 from __future__ import annotations
 
+import math
+import select
 import socket
 import ssl
 import struct
 import time
 from collections.abc import Collection, Sequence
-from multiprocessing.connection import wait
 from typing import Any
 
 from kvstore import wire
@@ -55,6 +56,7 @@ class FastConnection:
         self._sock = sock
         self._tls = isinstance(sock, ssl.SSLSocket)
         self._timed = False  # whether a deadline left a timeout on the socket
+        self._poller: select.poll | None = None  # a plain socket's wait when a call would block
         self.frame_limit = frame_limit
 
     def fileno(self) -> int:
@@ -74,8 +76,7 @@ class FastConnection:
                 self._sock.sendall(data[start : start + _CHUNK])
             return
         while views:  # scatter-gather: the arrays' memory goes out uncopied
-            self._until(deadline)
-            sent = self._sock.sendmsg(views[:_MAX_PARTS])
+            sent = self._send_some(views[:_MAX_PARTS], deadline)
             while views and sent >= len(views[0]):
                 sent -= len(views.pop(0))
             if views and sent:
@@ -112,11 +113,55 @@ class FastConnection:
 
     def _recv_into(self, view: memoryview, deadline: float | None) -> None:
         while view:
-            self._until(deadline)
-            got = self._sock.recv_into(view)
+            got = self._recv_some(view, deadline)
             if not got:
                 raise EOFError("fastcall: the peer closed the connection")
             view = view[got:]
+
+    def _recv_some(self, view: memoryview, deadline: float | None) -> int:
+        if self._tls or deadline is None:
+            self._until(deadline)
+            return self._sock.recv_into(view)
+        self._untimed()
+        while True:
+            try:
+                return self._sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                self._wait(select.POLLIN, deadline)
+
+    def _send_some(self, views: list[memoryview], deadline: float | None) -> int:
+        if deadline is None:
+            self._until(None)
+            return self._sock.sendmsg(views)
+        self._untimed()
+        while True:
+            try:
+                return self._sock.sendmsg(views, (), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                self._wait(select.POLLOUT, deadline)
+
+    # A plain socket stays blocking, without a timeout: an operation with a deadline is made
+    # non-blocking by its flag and waits in ``poll`` only when it would block. Setting a
+    # timeout before each operation instead (as TLS must, ``_until``) cost a system call each
+    # time, three a call.
+
+    def _untimed(self) -> None:
+        if self._timed or self._sock.gettimeout() is not None:  # left by ``_until``, ``connect``
+            self._sock.settimeout(None)
+            self._timed = False
+
+    def _wait(self, events: int, deadline: float) -> None:
+        """Wait in ``poll`` until the socket is ready for ``events``; ``TimeoutError`` once
+        ``deadline`` passed."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("fastcall: the peer took too long")
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self._sock, events)
+        else:
+            self._poller.modify(self._sock, events)
+        self._poller.poll(max(1, math.ceil(left * 1000)))
 
     def _until(self, deadline: float | None) -> None:
         """Bound the next socket operation by ``deadline`` (None: block)."""
@@ -172,5 +217,8 @@ def wait_ready(conns: Collection[FastConnection], timeout: float) -> list[FastCo
     by_fd = {conn.fileno(): conn for conn in conns if conn not in buffered}
     if not by_fd:
         return buffered
-    ready = wait(list(by_fd), timeout=0.0 if buffered else max(0.0, timeout))
-    return buffered + [by_fd[fd] for fd in ready]  # type: ignore[index]
+    poller = select.poll()  # not ``select.select``: descriptors past 1,024 are common here
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
+    ready = poller.poll(0 if buffered else math.ceil(max(0.0, timeout) * 1000))
+    return buffered + [by_fd[fd] for fd, _ in ready]

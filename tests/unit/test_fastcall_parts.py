@@ -61,6 +61,32 @@ def test_a_frame_over_the_limit_is_refused_before_its_body_is_read(pair) -> None
     assert a.recv_frame() == b"next"
 
 
+def test_a_frame_larger_than_the_socket_buffers_waits_for_room_within_its_deadline() -> None:
+    """A plain socket never gets a timeout: a send or receive with a deadline is made
+    non-blocking and waits in ``poll`` when it would block. A frame far larger than the
+    buffers crosses whole while the reader takes it slowly; a peer that reads nothing makes
+    the send a ``TimeoutError`` at its deadline, not a hang."""
+    left, right = socket.socketpair()
+    with FastConnection(left, frame_limit=1 << 26) as a, FastConnection(right) as b:
+        payload = bytes(range(256)) * (32 << 10)  # 8 MiB
+
+        def read_slowly() -> None:
+            time.sleep(0.2)
+            got.append(a.recv_frame(deadline=_deadline()))
+
+        got: list[bytearray] = []
+        reader = threading.Thread(target=read_slowly)
+        reader.start()
+        b.send_frame([payload[:3], memoryview(payload)[3:]], _deadline())
+        reader.join()
+        assert got == [payload]
+        assert b._sock.gettimeout() is None and a._sock.gettimeout() is None
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            b.send_frame([payload], time.monotonic() + 0.3)
+        assert 0.25 < time.monotonic() - started < 3.0
+
+
 def test_a_closed_peer_is_eof_and_a_passed_deadline_a_timeout(pair) -> None:
     a, b = pair
     with pytest.raises(TimeoutError):
