@@ -216,3 +216,46 @@ def test_the_c_probe_is_built_and_follows_long_chains_through_tombstones() -> No
     assert np.array_equal(rows, index._probe(probe, insert=False)[0])
     assert (rows[:600][::3] == -1).all() and (rows[600:] == -1).all()
     assert (np.delete(rows[:600], np.arange(0, 600, 3)) >= 0).all()
+
+
+def test_the_c_insert_agrees_with_the_numpy_reference_on_shared_chains_and_repeats() -> None:
+    """Upserts through ``claim_slots`` and through the numpy ``_probe`` leave the same blocks:
+    keys sharing one home slot (long chains), tombstones in them, keys repeated within a call
+    (the last occurrence's values win, one row each) and keys already there."""
+    from kvstore.blockstore import index as index_module
+
+    assert index_module._native is not None, "kvstore.blockstore._probe was not built"
+    rng = np.random.default_rng(5)
+    words = rng.integers(0, 2**63, size=(400, 4), dtype=np.uint64)
+    words[:200, 3] = words[:200, 0] ^ words[:200, 1] ^ words[:200, 2]  # one shared home slot
+    keys = [row.tobytes() for row in words]
+    batches = [rng.choice(400, size=int(rng.integers(1, 60)), replace=True) for _ in range(40)]
+
+    def build(native: object) -> BlockIndex:
+        saved, index_module._native = index_module._native, native
+        try:
+            index = BlockIndex(stripe_width=W, initial_capacity=1)
+            for step, chosen in enumerate(batches):
+                batch = [keys[i] for i in chosen.tolist()]
+                placement = np.tile(chosen[:, None] % 31, (1, W)).astype(np.int32) + step % 2
+                index.upsert(batch, placement, chosen * 10 + step, chosen % 7, T0 + step)
+                if step % 5 == 4:
+                    index.remove(batch[::4])  # tombstones along the chains
+            return index
+        finally:
+            index_module._native = saved
+
+    native, reference = build(index_module._native), build(None)
+    assert len(native) == len(reference) and native._live == reference._live
+    found = native.find(keys)
+    assert np.array_equal(found >= 0, reference.find(keys) >= 0)
+    assert np.array_equal(found, native._probe(words, insert=False)[0])
+    live = [key for key, row in zip(keys, found.tolist(), strict=True) if row >= 0]
+    assert len(set(found[found >= 0].tolist())) == len(live)  # one row per key
+    ours, theirs = native.get(native.find(live)), reference.get(reference.find(live))
+    assert ours.keys == theirs.keys == live
+    assert np.array_equal(ours.placements, theirs.placements)
+    assert np.array_equal(ours.sizes, theirs.sizes)
+    assert np.array_equal(ours.classes, theirs.classes)
+    assert np.array_equal(ours.created, theirs.created)
+    assert not (native._table <= -3).any()  # every claimed slot got its row
