@@ -393,19 +393,24 @@ class StorageNode:
             return self.config.capacity_bytes - self._index.live_total()
         return self._disk.headroom(self._root.fd)
 
-    def _marks(self, kind: int, targets: list[tuple[bytes, int, int]]) -> bool:
-        """Append COMMIT or DELETE records for ``targets`` (key, token, target lsn) in one
-        write; False (logged) when the write failed."""
-        if not targets:
+    def _marks(
+        self,
+        kind: int,
+        keys: Sequence[bytes],
+        tokens: Sequence[int] | np.ndarray | int,
+        lsns: Sequence[int] | np.ndarray,
+    ) -> bool:
+        """Append COMMIT or DELETE records for ``keys`` (with their writer tokens, one or one
+        each, and target LSNs) in one write; False (logged) when the write failed."""
+        if not len(keys):
             return True
-        keys, tokens, lsns = zip(*targets, strict=True)
         heads = record_headers(
-            kind, self._log.take_lsns(len(targets)), keys, token=tokens, target_lsn=lsns
+            kind, self._log.take_lsns(len(keys)), keys, token=tokens, target_lsn=lsns
         )
         try:
-            self._log.append(heads, [b""] * len(targets))
+            self._log.append(heads, [b""] * len(keys))
         except AppendFailed as error:
-            log.warning("node %d: appending %d marks failed: %s", self.node_id, len(targets), error)
+            log.warning("node %d: appending %d marks failed: %s", self.node_id, len(keys), error)
             return False
         return True
 
@@ -415,18 +420,14 @@ class StorageNode:
         A committed shard of the same key (an older write of it) is replaced.
         """
         checked = [bytes(check_key(key)) for key in keys]
-        targets = [
-            (key, token, self._index.get("lsn", self._pending[(key, token)]))
-            for key in dict.fromkeys(checked)
-            if (key, token) in self._pending
-        ]
-        if not self._marks(COMMIT, targets):
+        pending = self._pending
+        found = [key for key in dict.fromkeys(checked) if (key, token) in pending]
+        lsns = self._index.column("lsn")[[pending[(key, token)] for key in found]]
+        if not self._marks(COMMIT, found, token, lsns):
             return [False] * len(checked)
-        done = set()
-        for key, _, _ in targets:
-            self._index.commit(key, token)
-            done.add(key)
-        self._counters["commits"] += len(done)
+        self._index.commit_many(found, token)
+        self._counters["commits"] += len(found)
+        done = set(found)
         return [key in done for key in checked]
 
     def abort(self, token: int, keys: Sequence[bytes]) -> int:
@@ -545,8 +546,8 @@ class StorageNode:
         """Drop committed shards, with DELETE marks so a restart does not bring them back. If
         the marks cannot be written the shards are forgotten anyway (a restart may then serve
         one again: its bytes are still whole and checked by every reader)."""
-        targets = [(key, 0, self._index.get("lsn", self._committed[key])) for key in keys]
-        self._marks(DELETE, targets)
+        lsns = self._index.column("lsn")[[self._committed[key] for key in keys]]
+        self._marks(DELETE, keys, 0, lsns)
         for key in keys:
             self._index.forget(key)
 

@@ -236,6 +236,8 @@ def _interleaved(
     """Headers and bodies in file order, as few buffers as that takes: consecutive headers of
     records without a body (marks) go as one slice of ``heads``."""
     view = memoryview(heads)
+    if not any(lengths):  # marks only (a commit's or a delete's batch): the headers, whole
+        return [view]
     parts: list[object] = []
     run = 0  # where the headers not yet in ``parts`` start
     for n, (body, length) in enumerate(zip(bodies, lengths, strict=True)):

@@ -221,6 +221,8 @@ def entries_for(
             for body, is_shard in zip(bodies, shard.tolist(), strict=True)
             if is_shard
         ]
+        if shard.any()
+        else []  # marks only
     )
     return _entries(offsets, records, shard, fields)
 

@@ -111,14 +111,23 @@ class ShardIndex:
     def commit(self, key: bytes, token: int) -> bool:
         """``token``'s pending shard of ``key`` becomes its committed one (an older committed
         shard is dropped); False when there is no such pending shard."""
-        row = self._pending.pop((key, token), None)
-        if row is None:
-            return False
-        old = self._committed.get(key)
-        if old is not None:
-            self._drop(old)
-        self._committed[key] = row
-        return True
+        return self.commit_many([key], token) == 1
+
+    def commit_many(self, keys: Sequence[bytes], token: int) -> int:
+        """``commit`` of each of ``keys`` (distinct) in one call, as a node commits a batch;
+        returns how many had a pending shard of ``token``."""
+        pending, committed = self._pending, self._committed
+        done = 0
+        for key in keys:
+            row = pending.pop((key, token), None)
+            if row is None:
+                continue
+            old = committed.get(key)
+            if old is not None:
+                self._drop(old)
+            committed[key] = row
+            done += 1
+        return done
 
     def abort(self, key: bytes, token: int) -> bool:
         """Drop ``token``'s pending shard of ``key``; False when there is none."""
