@@ -282,7 +282,8 @@ class _Reply:
         elif not served.all():
             for status, times in Counter(statuses[~served].tolist()).items():
                 counters[f"shards_{proto.NAMES.get(status, status)}"] += times
-        bs, indices, lengths = bs[served], indices[served], lengths[served]
+        if not served.all():  # else the request's own arrays (``place`` may know them)
+            bs, indices, lengths = bs[served], indices[served], lengths[served]
         self._scatter, taken = place(bs, indices, lengths, prefix)
         counters["shards_served"] += len(bs)
         self._items = (bs, indices)
