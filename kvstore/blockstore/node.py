@@ -165,6 +165,7 @@ class StorageNode:
         }
         started = time.monotonic()
         label = f"node {node_id}"
+        self._segments_dir = segments
         self._log = SegmentLog(
             DiskFiles(segments),
             segment_bytes=self.config.segment_bytes,
@@ -560,9 +561,13 @@ class StorageNode:
         return {"node_id": self.node_id, "draining": int(self.draining)}
 
     def close(self) -> None:
-        """Stop serving (the open segment stays unsealed: a restart scans its tail)."""
+        """Stop serving (the open segment stays unsealed: a restart scans its tail) and give
+        back every descriptor: the segments, the lock and both directories. Closing twice is
+        harmless."""
         self._log.close()
         self._lock.release()
+        self._segments_dir.close()
+        self._root.close()
 
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
         return [bytes(key) in self._committed for key in keys]

@@ -119,6 +119,19 @@ def test_one_process_serves_a_directory(tmp_path: Path) -> None:
     StorageNode(1, tmp_path).close()  # free again once the first one stopped
 
 
+def test_a_closed_node_holds_no_descriptor(tmp_path: Path) -> None:
+    """Its segments, its lock and both of its directories are given back by ``close`` (the
+    directories were left to the garbage collector before), and a second close is harmless."""
+    before = set(os.listdir("/proc/self/fd"))
+    node = StorageNode(1, tmp_path)
+    key, _, shards = _block(1)
+    assert node.put(7, [key], [shards[0]], [0], [1.0]) == [True]
+    assert len(set(os.listdir("/proc/self/fd")) - before) >= 4
+    node.close()
+    node.close()
+    assert set(os.listdir("/proc/self/fd")) - before == set()
+
+
 def test_a_data_dir_of_another_node_is_refused(tmp_path: Path) -> None:
     StorageNode(1, tmp_path).close()
     with pytest.raises(ConfigError, match="data_dir"):
