@@ -6,7 +6,7 @@
  * 1,000-key lookup is ~20 numpy calls per probe round in Python, and the rounds are as many as
  * the longest chain; here it is one pass, without the GIL.
  *
- * claim_slots is the insert's half (BlockIndex._claim_native): for each key, its row when the
+ * claim_slots is the insert's half (BlockIndex._insert): for each key, its row when the
  * table has it, else the EMPTY slot that ends its chain, claimed at once with the code -3 - i
  * so that a later key of the same batch probes past it, or, being the same key, is told which
  * earlier position to share (first[i]). The caller then writes rows into the claimed slots.

@@ -378,10 +378,9 @@ class DirectReader:
             """Per served shard, in order: its prefix and header into its slot, its fragment's
             pieces where the read puts them, its padding into scratch; a shard that is not
             this block's (another length) into scratch whole."""
-            buffers = (read.view, slot_view, scratch[0])
             usual = plan.pieces(bs, lengths, prefix)
             if usual is not None:  # every shard asked served whole: the rows worked out
-                return Scatter(buffers, *usual), np.ones(len(bs), bool)
+                return Scatter((read.view, slot_view, scratch[0]), *usual), np.ones(len(bs), bool)
             fragment, begin, take = span(bs, indices)
             fits = lengths == HEADER_BYTES + fragment
             most = prefix + int(lengths.max(initial=0))
@@ -399,7 +398,7 @@ class DirectReader:
             length[:, 1:-1] = np.where(fits[:, None], piece_len, 0)
             which[:, -1] = _SCRATCH
             length[:, -1] = np.where(fits, fragment - take, 0)
-            buffers = (read.view, slot_view, scratch[0])  # scratch may have grown
+            buffers = (read.view, slot_view, scratch[0])
             return Scatter(buffers, which.ravel(), at.ravel(), length.ravel()), fits
 
         def check() -> None:

@@ -399,12 +399,14 @@ class StorageNode:
         kind: int,
         keys: Sequence[bytes],
         tokens: Sequence[int] | np.ndarray | int,
-        lsns: Sequence[int] | np.ndarray,
+        rows: list[int],
     ) -> bool:
         """Append COMMIT or DELETE records for ``keys`` (with their writer tokens, one or one
-        each, and target LSNs) in one write; False (logged) when the write failed."""
-        if not len(keys):
+        each) aimed at the records of index ``rows`` in one write; False (logged) when the
+        write failed."""
+        if not keys:
             return True
+        lsns = self._index.column("lsn")[rows]
         heads = record_headers(
             kind, self._log.take_lsns(len(keys)), keys, token=tokens, target_lsn=lsns
         )
@@ -423,8 +425,7 @@ class StorageNode:
         checked = [bytes(check_key(key)) for key in keys]
         pending = self._pending
         found = [key for key in dict.fromkeys(checked) if (key, token) in pending]
-        lsns = self._index.column("lsn")[[pending[(key, token)] for key in found]]
-        if not self._marks(COMMIT, found, token, lsns):
+        if not self._marks(COMMIT, found, token, [pending[(key, token)] for key in found]):
             return [False] * len(checked)
         self._index.commit_many(found, token)
         self._counters["commits"] += len(found)
@@ -547,8 +548,7 @@ class StorageNode:
         """Drop committed shards, with DELETE marks so a restart does not bring them back. If
         the marks cannot be written the shards are forgotten anyway (a restart may then serve
         one again: its bytes are still whole and checked by every reader)."""
-        lsns = self._index.column("lsn")[[self._committed[key] for key in keys]]
-        self._marks(DELETE, keys, 0, lsns)
+        self._marks(DELETE, keys, 0, [self._committed[key] for key in keys])
         for key in keys:
             self._index.forget(key)
 

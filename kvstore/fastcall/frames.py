@@ -118,6 +118,11 @@ class FastConnection:
                 raise EOFError("fastcall: the peer closed the connection")
             view = view[got:]
 
+    # A plain socket stays blocking, without a timeout: an operation with a deadline is made
+    # non-blocking by its flag and waits in ``poll`` only when it would block. Setting a
+    # timeout before each operation instead (as TLS must, ``_until``) cost a system call each
+    # time, three a call.
+
     def _recv_some(self, view: memoryview, deadline: float | None) -> int:
         if self._tls or deadline is None:
             self._until(deadline)
@@ -140,13 +145,8 @@ class FastConnection:
             except BlockingIOError:
                 self._wait(select.POLLOUT, deadline)
 
-    # A plain socket stays blocking, without a timeout: an operation with a deadline is made
-    # non-blocking by its flag and waits in ``poll`` only when it would block. Setting a
-    # timeout before each operation instead (as TLS must, ``_until``) cost a system call each
-    # time, three a call.
-
     def _untimed(self) -> None:
-        if self._timed or self._sock.gettimeout() is not None:  # left by ``_until``, ``connect``
+        if self._sock.gettimeout() is not None:  # left by ``_until`` or ``connect``
             self._sock.settimeout(None)
             self._timed = False
 
