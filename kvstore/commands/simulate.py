@@ -120,6 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gc-every", type=int, help="a GC pass after every N requests instead of by time"
     )
     parser.add_argument(
+        "--gc-at-end",
+        action="store_true",
+        help="one more GC pass after the last request: bytes stored as kvstore replay "
+        "measures them (once its GC settled)",
+    )
+    parser.add_argument(
         "--mode",
         default="bounded-replay",
         help="hit rule: bounded-replay (default) or full-attention",
@@ -190,6 +196,7 @@ def _config(args: argparse.Namespace, duration_s: float) -> Any:
         gc_low=args.gc_low,
         gc_interval_s=args.gc_interval,
         gc_every_requests=args.gc_every,
+        gc_at_end=args.gc_at_end,
         mode=args.mode,
         traffic_class=args.traffic_class,
         speed=args.speed,

@@ -573,6 +573,26 @@ class Occupancy:
         return out
 
 
+#: How long the run's end waits for the GC to settle (``_settle``): a pass takes well under a
+#: second on an idle machine, a few on a busy one.
+SETTLE_TIMEOUT_S = 60.0
+
+
+def _settle(gc_status: Callable[[], dict[str, Any]], timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+    """Wait until a GC pass begun after the engines stopped has ended (the one running then
+    ends first); whether one did within ``timeout_s``. The bytes stored at the end are then
+    the GC's settled state, not wherever its sawtooth between passes stood when the engines
+    stopped: on a busy machine a pass takes seconds, and the writes of those seconds sit above
+    the watermark until the next pass."""
+    deadline = time.monotonic() + timeout_s
+    first = int(gc_status()["passes"])
+    while time.monotonic() < deadline:
+        if int(gc_status()["passes"]) >= first + 2:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 # --- the whole run ---------------------------------------------------------------------------
 
 
@@ -610,6 +630,7 @@ def run_replay(
                 engines = [ReplayEngine(client, config, size) for client in clients[1:]]
                 with Occupancy(clients[0], size) as occupancy:
                     done = drive(requests, words, engines, config, stop)
+                settled = _settle(tier.gc_status) if tier.gc_status is not None else None
                 figures = clients[0].stats()
                 gc = tier.gc_status() if tier.gc_status is not None else None
             finally:
@@ -658,6 +679,7 @@ def run_replay(
             "gc_scan_interval_s": None if config.address else config.gc_scan_interval_s,
             "stats": figures,
             "gc": gc,
+            "gc_settled": settled,
             "traffic_seconds": round(done.seconds, 1),
             "wall_seconds": round(time.perf_counter() - started, 1),
         },

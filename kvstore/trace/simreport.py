@@ -159,7 +159,8 @@ class FleetReport:
                     f"a pass after every {config.gc_every_requests} requests"
                     if config.gc_every_requests
                     else f"a pass every {config.gc_interval_s:g} s"
-                ),
+                )
+                + (" and one after the last request" if config.gc_at_end else ""),
             )
         )
         rows.append(("token hit rate", f"{result.token_hit_rate:.1%} of prompt tokens"))

@@ -74,6 +74,28 @@ def test_a_pass_every_second_gives_what_a_pass_after_every_request_gives(slice_)
     assert abs(timed.bytes_stored - every.bytes_stored) < 0.05 * every.bytes_stored
 
 
+def test_a_pass_at_the_end_settles_what_the_gc_left_between_passes(slice_) -> None:
+    """``gc_at_end`` (as ``kvstore replay`` measures its bytes stored): with passes far apart
+    the last writes sit above the high watermark at the end; one more pass takes the tier to
+    its low watermark, and changes nothing before it."""
+    requests, prepared = slice_
+    blocks = prepared.unique_blocks // 4
+    room = 2 * blocks  # nothing refused between passes
+    base = SimConfig(
+        machines=14,
+        capacity_bytes=room * BLOCK,
+        gc_low=blocks / room,
+        gc_high=(blocks + 1) / room,
+        gc_every_requests=len(requests) // 3 + 1,  # two passes, ~230 requests after the last
+    )
+    left = simulate(requests, base, prepared=prepared)
+    settled = simulate(requests, dataclasses.replace(base, gc_at_end=True), prepared=prepared)
+    assert left.blocks_stored > blocks + 1  # above the high watermark at the end
+    assert settled.blocks_stored <= blocks
+    assert settled.gc_passes == left.gc_passes + 1
+    assert np.array_equal(settled.hits, left.hits)
+
+
 def test_stripes_sit_on_12_distinct_live_machines_as_place_puts_them(slice_) -> None:
     requests, prepared = slice_
     machines = 40
