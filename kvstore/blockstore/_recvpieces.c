@@ -1,11 +1,13 @@
-/* The direct reader's scatter receive in C: one recvmsg into many pieces of a few buffers.
+/* The direct reader's scatter receive in C: recvmsg into many pieces of a few buffers.
  *
  * A node's reply to an engine read lands in pieces: each shard's record header and shard
  * header into a table slot, its fragment at its place in the block (or cut at layer
  * boundaries), padding into scratch. A 64-block read of 111 KiB blocks is ~1,900 pieces; made
  * as a Python memoryview each for socket.recvmsg_into, they cost more CPU than the bytes' own
  * copy. Here the pieces are three int64 arrays (buffer number, offset, length) over a tuple of
- * buffers, and the receive's iovec is built from them in C, without the GIL for the receive.
+ * buffers, and the receive's iovec is built from them in C, without the GIL for the receive;
+ * one call takes all the socket holds (a receive a few hundred KiB here) and says where the
+ * next byte goes, so the reader's Python runs once per wake-up, not per receive.
  * readlinks.Scatter's memoryview loop stays the reference and the fallback (TLS, a socket with
  * a timeout, the extension not built).
  */
@@ -20,6 +22,39 @@
 
 #define MAX_BUFFERS 8
 #define MAX_IOV 1024 /* IOV_MAX on Linux */
+
+/* The iovec of the pieces from (first, skip) on, at most room bytes and MAX_IOV pieces, into
+ * iov; its byte count into *asked. -1 with a ValueError where a piece it would use lies outside
+ * its buffer: the caller then receives nothing. */
+static int
+build_iov(struct iovec *iov, Py_buffer *targets, Py_ssize_t count, const int64_t *which,
+          const int64_t *offsets, const int64_t *lengths, Py_ssize_t pieces, Py_ssize_t first,
+          Py_ssize_t skip, Py_ssize_t room, size_t *asked)
+{
+    int used = 0;
+    *asked = 0;
+    /* Only the pieces this receive may fill are checked (and used); an empty piece takes no
+     * byte, so where it points does not count. */
+    for (Py_ssize_t p = first; p < pieces && used < MAX_IOV && room > 0; p++) {
+        int64_t b = which[p], at = offsets[p], len = lengths[p];
+        if (len == 0 && p != first)
+            continue;
+        if (b < 0 || b >= count || at < 0 || len < 0 || at > targets[b].len ||
+            len > targets[b].len - at || (p == first && skip >= len)) {
+            PyErr_Format(PyExc_ValueError, "recv_pieces: piece %zd names bytes outside its buffer",
+                         p);
+            return -1;
+        }
+        int64_t from = p == first ? skip : 0;
+        int64_t take = len - from < room ? len - from : room;
+        iov[used].iov_base = (char *)targets[b].buf + at + from;
+        iov[used].iov_len = (size_t)take;
+        used++;
+        room -= take;
+        *asked += (size_t)take;
+    }
+    return used;
+}
 
 static PyObject *
 recv_pieces(PyObject *self, PyObject *args)
@@ -57,46 +92,61 @@ recv_pieces(PyObject *self, PyObject *args)
     }
     const int64_t *which = tables[0].buf, *offsets = tables[1].buf, *lengths = tables[2].buf;
     struct iovec iov[MAX_IOV];
-    int used = 0;
-    Py_ssize_t room = most < 0 ? PY_SSIZE_T_MAX : most;
-    /* Every piece named must lie inside its buffer: a wrong table is an error, never a write
-     * outside it. Only the pieces this receive may fill are checked (and used); an empty piece
-     * takes no byte, so where it points does not count. */
-    for (Py_ssize_t p = first; p < pieces && used < MAX_IOV && room > 0; p++) {
-        int64_t b = which[p], at = offsets[p], len = lengths[p];
-        if (len == 0 && p != first)
-            continue;
-        if (b < 0 || b >= count || at < 0 || len < 0 || at > targets[b].len ||
-            len > targets[b].len - at || (p == first && skip >= len)) {
-            PyErr_Format(PyExc_ValueError, "recv_pieces: piece %zd names bytes outside its buffer",
-                         p);
-            goto release;
+    Py_ssize_t room = most < 0 ? PY_SSIZE_T_MAX : most, total = 0;
+    int drained = 0;
+    /* Receive until the socket holds no more (a short read, or EAGAIN), the pieces are full or
+     * room is spent; a failure after some bytes landed ends the loop and is met again by the
+     * next call, which then has received nothing. */
+    while (room > 0 && first < pieces) {
+        size_t asked;
+        int used = build_iov(iov, targets, count, which, offsets, lengths, pieces, first, skip,
+                             room, &asked);
+        if (used < 0) {
+            if (total == 0)
+                goto release;
+            PyErr_Clear();
+            break;
         }
-        int64_t from = p == first ? skip : 0;
-        int64_t take = len - from < room ? len - from : room;
-        iov[used].iov_base = (char *)targets[b].buf + at + from;
-        iov[used].iov_len = (size_t)take;
-        used++;
-        room -= take;
-    }
-    struct msghdr message = {0};
-    message.msg_iov = iov;
-    message.msg_iovlen = (size_t)used;
-    ssize_t got;
-    for (;;) {
+        struct msghdr message = {0};
+        message.msg_iov = iov;
+        message.msg_iovlen = (size_t)used;
+        ssize_t got;
         Py_BEGIN_ALLOW_THREADS
         got = recvmsg(fd, &message, 0);
         Py_END_ALLOW_THREADS
-        if (got >= 0 || errno != EINTR)
-            break;
-        if (PyErr_CheckSignals() < 0)
+        if (got < 0) {
+            if (errno == EINTR) {
+                if (PyErr_CheckSignals() < 0)
+                    goto release;
+                continue;
+            }
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                drained = 1;
+                break;
+            }
+            if (total > 0)
+                break;
+            PyErr_SetFromErrno(PyExc_OSError);
             goto release;
+        }
+        if (got == 0) /* the end of the stream: met by this call or the next */
+            break;
+        total += got;
+        room -= got;
+        /* On past the pieces filled (and the empty ones after them). */
+        Py_ssize_t left = got;
+        while (first < pieces && left >= lengths[first] - skip) {
+            left -= lengths[first] - skip;
+            first++;
+            skip = 0;
+        }
+        skip += left;
+        if ((size_t)got < asked) { /* a short read: the socket held no more */
+            drained = 1;
+            break;
+        }
     }
-    if (got < 0) {
-        PyErr_SetFromErrno(PyExc_OSError); /* EAGAIN: BlockingIOError */
-        goto release;
-    }
-    result = PyLong_FromSsize_t(got);
+    result = Py_BuildValue("(nnnN)", total, first, skip, PyBool_FromLong(drained));
 release:
     while (tabled-- > 0)
         PyBuffer_Release(&tables[tabled]);
@@ -107,10 +157,12 @@ release:
 
 static PyMethodDef methods[] = {
     {"recv_pieces", recv_pieces, METH_VARARGS,
-     "recv_pieces(fd, buffers, which, offsets, lengths, first, skip, most) -> bytes received: "
-     "one recvmsg on fd into pieces first.. (piece p: buffers[which[p]][offsets[p]:][:lengths[p]],"
-     " its first skip bytes already filled), at most most bytes (-1: no limit) and 1024 pieces; "
-     "0 at the end of the stream; OSError (BlockingIOError) as recvmsg fails."},
+     "recv_pieces(fd, buffers, which, offsets, lengths, first, skip, most) -> (received, first, "
+     "skip, drained): recvmsg on the non-blocking fd into pieces first.. (piece p: "
+     "buffers[which[p]][offsets[p]:][:lengths[p]], its first skip bytes already filled) until "
+     "the socket holds no more (drained), the pieces are full or most bytes (-1: no limit) are "
+     "in; the piece to fill next and its bytes filled. (0, .., 0) at the end of the stream; "
+     "OSError as recvmsg fails before any byte."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -227,7 +227,7 @@ class _Plan:
         if found is None or found[0] is not bs:
             return None
         _, lo, hi = found
-        if not np.array_equal(lengths, self._whole[lo:hi]):
+        if len(lengths) != hi - lo or not (lengths == self._whole[lo:hi]).all():
             return None
         self._at[lo:hi, 0] = self._head_at[lo:hi] - prefix
         self._length[lo:hi, 0] = HEADER_BYTES + prefix
@@ -257,6 +257,11 @@ class DirectReader:
         self._codec = Codec(k, m)
         self.counters: Counter[str] = Counter()
         self._links = NodeLinks(endpoints, tls, self.counters)
+        # Per node id, whether it has a socket here; the last entry (what -1 and ids beyond
+        # the largest look up) is False.
+        top = max([node for node in self.endpoints if node >= 0], default=-1)
+        self._listed = np.zeros(top + 2, bool)
+        self._listed[[node for node in self.endpoints if node >= 0]] = True
 
     def close(self) -> None:
         self._links.close()
@@ -316,11 +321,15 @@ class DirectReader:
         if len(keys) != 32 * n:
             raise ValueError("blocks: every key must be 32 bytes")
         width = self.k + self.m
-        placements = np.full((n, width), -1, np.int64)
-        for b, block in enumerate(blocks):
-            row = block.placement[:width]
-            placements[b, : len(row)] = row
-        placements[~np.isin(placements, list(self.endpoints))] = -1  # no socket: none to ask
+        rows = [block.placement[:width] for block in blocks]
+        if all(len(row) == width for row in rows):
+            placements = np.array(rows, np.int64).reshape(n, width)
+        else:
+            placements = np.full((n, width), -1, np.int64)
+            for b, row in enumerate(rows):
+                placements[b, : len(row)] = row
+        listed = self._listed  # no socket: none to ask
+        placements[~listed[np.clip(placements, -1, len(listed) - 1)]] = -1
         read = _Read(
             capability,
             view,

@@ -6,10 +6,11 @@ the replies of all nodes as their bytes arrive, over one ``poll`` of every socke
 after node: while the reader drains one node the others keep sending, and every block's
 shards arrive in the order each node was asked for them (``DirectReader`` asks stripe position
 0 of every block first when it hands bytes on as they arrive). Each reply's shard bytes are
-received straight into the pieces the caller's ``place`` names (``Scatter``: one ``recvmsg``
-whose iovec is built in C from the pieces' arrays on a plain socket; TLS has no scatter
-receive, so piece by piece there), and the caller is told of each shard as soon as its last
-byte is in (``on_shards``).
+received straight into the pieces the caller's ``place`` names (``Scatter``: on a plain socket
+one C call takes all the socket holds, its ``recvmsg`` iovecs built from the pieces' arrays;
+TLS has no scatter receive, so piece by piece there), and the caller is told of the shards
+that landed whole (``on_shards``): each as soon as its last byte is in when the exchange is
+paced, else as its reply ends.
 
 Failures never escape: a node that cannot be reached, times out or answers what is not a reply
 loses its connection and is asked nothing more in this exchange; what it sent whole before
@@ -19,9 +20,8 @@ node's idle bound): it is dialed again once and sent its requests again.
 
 from __future__ import annotations
 
-import bisect
-import itertools
-import selectors
+import math
+import select
 import socket
 import ssl
 import sys
@@ -49,6 +49,8 @@ _MAX_PIECES = 512
 MAX_BUFFERS = 8
 _LENGTH_BYTES = 4
 _HEAD_BYTES = _LENGTH_BYTES + proto.REPLY.size
+#: A served shard's status byte in a reply's table.
+_OK = bytes([proto.OK])
 
 #: (host, port) of a node's engine read socket.
 ReadEndpoint = tuple[str, int]
@@ -73,8 +75,9 @@ class Scatter:
     """Pieces of a few buffers filled in order from a stream, as much as the socket holds per
     call. Piece ``p`` is ``buffers[which[p]][offsets[p]:][:lengths[p]]``: arrays, not a Python
     object a piece, so a reply of a thousand pieces costs a few array passes; one C call
-    (``_recvpieces``) builds each receive's iovec from them. On TLS, a socket with a timeout or
-    without the extension, memoryviews of the next pieces serve (``recvmsg_into``)."""
+    (``_recvpieces``) receives until the socket is drained, each ``recvmsg``'s iovec built from
+    them, and says where the next byte goes. On TLS, a socket with a timeout or without the
+    extension, memoryviews of the next pieces serve (``recvmsg_into``), one receive a call."""
 
     def __init__(
         self,
@@ -92,23 +95,21 @@ class Scatter:
         self.which = np.ascontiguousarray(which, np.int64)
         self.offsets = np.ascontiguousarray(offsets, np.int64)
         self.lengths = lengths = np.ascontiguousarray(lengths, np.int64)
-        self.ends = np.cumsum(lengths)
+        self.ends = lengths.cumsum()
         self.total = int(self.ends[-1]) if len(self.ends) else 0
         self.done = 0
-        self._at = int(np.searchsorted(self.ends, 0, "right"))  # the first piece not yet full
+        self._at = int(self.ends.searchsorted(0, "right"))  # the first piece not yet full
         self._into = 0  # bytes of it filled
+        self.drained = False
 
     def receive(self, sock: socket.socket, most: int | None = None) -> int:
-        """One receive into the next pieces, of at most ``most`` bytes (default: what the
-        socket holds); the bytes it took (``EOFError`` at the end of the stream;
-        ``BlockingIOError`` / ``ssl.SSLWantReadError`` on a non-blocking socket with nothing
-        to take)."""
+        """Receive into the next pieces, at most ``most`` bytes (default: what the socket
+        holds); the bytes taken, 0 if the socket (non-blocking) had none, ``EOFError`` at the
+        end of the stream. ``drained``: whether the socket held no more after it (the caller
+        need not ask again until it is ready)."""
         at, into = self._at, self._into
-        if isinstance(sock, ssl.SSLSocket):
-            view = self._piece(at)[into:]
-            got = sock.recv_into(view, len(view) if most is None else min(most, len(view)))
-        elif _pieces is not None and sock.gettimeout() == 0.0:
-            got = _pieces.recv_pieces(
+        if _pieces is not None and not isinstance(sock, ssl.SSLSocket) and sock.gettimeout() == 0.0:
+            got, self._at, self._into, self.drained = _pieces.recv_pieces(
                 sock.fileno(),
                 self.buffers,
                 self.which,
@@ -118,19 +119,34 @@ class Scatter:
                 into,
                 -1 if most is None else most,
             )
-        else:
-            stop = min(len(self.lengths), at + _MAX_PIECES)
-            if most is not None:  # the pieces up to ``most`` bytes, the last one cut there
-                stop = min(stop, int(np.searchsorted(self.ends, self.done + most, "left")) + 1)
-            views = [self._piece(p) for p in range(at, stop) if self.lengths[p]]
-            views[0] = views[0][into:]  # piece ``at``: never empty
-            if most is not None:
-                views[-1] = views[-1][: len(views[-1]) - max(0, sum(map(len, views)) - most)]
-            got = sock.recvmsg_into(views)[0]
+            if not got and not self.drained:
+                raise EOFError("engine reads: the node closed the connection")
+            self.done += got
+            return got
+        try:
+            if isinstance(sock, ssl.SSLSocket):
+                view = self._piece(at)[into:]
+                asked = len(view) if most is None else min(most, len(view))
+                got = sock.recv_into(view, asked)
+            else:
+                stop = min(len(self.lengths), at + _MAX_PIECES)
+                if most is not None:  # the pieces up to ``most`` bytes, the last one cut there
+                    stop = min(stop, int(self.ends.searchsorted(self.done + most, "left")) + 1)
+                views = [self._piece(p) for p in range(at, stop) if self.lengths[p]]
+                views[0] = views[0][into:]  # piece ``at``: never empty
+                if most is not None:
+                    views[-1] = views[-1][: len(views[-1]) - max(0, sum(map(len, views)) - most)]
+                asked = sum(map(len, views))
+                got = sock.recvmsg_into(views)[0]
+        except (BlockingIOError, ssl.SSLWantReadError):
+            self.drained = True
+            return 0
         if not got:
             raise EOFError("engine reads: the node closed the connection")
+        # A short read on TLS says nothing: a record may end there with more behind it.
+        self.drained = got < asked and not isinstance(sock, ssl.SSLSocket)
         self.done += got
-        at = self._at = int(np.searchsorted(self.ends, self.done, "right"))
+        at = self._at = int(self.ends.searchsorted(self.done, "right"))
         self._into = self.done - int(self.ends[at] - self.lengths[at]) if at < len(self.ends) else 0
         return got
 
@@ -151,11 +167,18 @@ class _Whole:
         self._view = memoryview(buffer)
         self.total = len(buffer)
         self.done = 0
+        self.drained = False
 
     def receive(self, sock: socket.socket, most: int | None = None) -> int:
-        got = sock.recv_into(self._view[self.done :])
+        asked = self.total - self.done
+        try:
+            got = sock.recv_into(self._view[self.done :])
+        except (BlockingIOError, ssl.SSLWantReadError):
+            self.drained = True
+            return 0
         if not got:
             raise EOFError("engine reads: the node closed the connection")
+        self.drained = got < asked and not isinstance(sock, ssl.SSLSocket)
         self.done += got
         return got
 
@@ -200,8 +223,9 @@ class Connection:
 
 
 class _Reply:
-    """One node's replies being taken without blocking: length and reply header, the status
-    and length table, then the shard bytes into the buffers ``place`` names."""
+    """One node's replies being taken without blocking: the reply's head with its status and
+    length table (one piece: the table's size follows from the count asked), then the shard
+    bytes into the buffers ``place`` names."""
 
     def __init__(self, node: int, conn: Connection, requests: list[Request], fresh: bool):
         self.node, self.conn, self.requests = node, conn, requests
@@ -210,117 +234,140 @@ class _Reply:
         self._start()
 
     def _start(self) -> None:
-        self._head = bytearray(_HEAD_BYTES)
+        (bs, _), _ = self.requests[0]
+        self._head = bytearray(_HEAD_BYTES + proto.table_bytes(len(bs)))
         self._scatter: Scatter | _Whole = _Whole(self._head)
-        self._stage = "head"
-        self._table = bytearray()
-        self._data_bytes = 0
-        self._items: Items | None = None
-        self._shard_ends: list[int] = []
+        self._items: Items | None = None  # set once the table is in: the data phase
+        self._shard_ends: np.ndarray | None = None
         self._reported = 0
+        self._refusal = self._data_bytes = 0
+        self._prefix = -1  # the head not checked yet
 
-    def step(self, place: Place, counters: Counter[str], limit: int | None) -> list[Items]:
+    def step(
+        self, place: Place, counters: Counter[str], limit: int | None, eager: bool
+    ) -> list[Items]:
         """Take what the socket holds now, up to the last shard at stripe position ``limit``
         (None: all of it); the shards whose last byte arrived, as (blocks, indices) the caller
-        took. ``EOFError``, ``OSError``, ``ProtocolError``: the node failed."""
+        took: as they land if ``eager``, else when their reply ends (``landed`` tells what a
+        failed reply had landed). ``EOFError``, ``OSError``, ``ProtocolError``: the node
+        failed."""
         landed: list[Items] = []
-        while self.requests:
+        drained = False  # the socket held no more: wait for it to be ready again
+        while self.requests and not drained:
             room = self._room(limit)
             if room is not None and room <= 0:
                 break
-            try:
-                got = self._scatter.receive(self.conn.sock, room)
-            except (BlockingIOError, ssl.SSLWantReadError):
+            got = self._scatter.receive(self.conn.sock, room)
+            if not got:
                 break
+            drained = self._scatter.drained
             counters["bytes_received"] += got
             self.fresh = False
-            while self.requests and self._scatter.done == self._scatter.total:
-                if self._stage == "head":
-                    self._on_head()
-                elif self._stage == "table":
-                    self._on_table(place, counters)
-                else:
-                    break
-            if self._stage == "data":
-                landed += self._landed()
-                if self._scatter.done == self._scatter.total:
-                    self.requests.pop(0)
+            if self._items is None:
+                if self._prefix < 0 and self._scatter.done >= _HEAD_BYTES:
+                    self._on_head()  # a head that is not a reply's fails before its table
+                if self._scatter.done < self._scatter.total:
+                    continue
+                self._on_table(place, counters)
+            if eager or self._scatter.done == self._scatter.total:
+                landed += self.landed()
+            if self._scatter.done == self._scatter.total:
+                self.requests.pop(0)
+                if self.requests:
                     self._start()
         return landed
 
     def _on_head(self) -> None:
-        (bs, _), _ = self.requests[0]
-        frame = int.from_bytes(self._head[:_LENGTH_BYTES], "big")
-        magic, refusal, prefix, count, data_bytes = proto.REPLY.unpack_from(
-            self._head, _LENGTH_BYTES
-        )
-        if magic != proto.REPLY_MAGIC or count != len(bs) or prefix > proto.MAX_PREFIX:
-            raise ProtocolError(f"node {self.node}: not a reply to {len(bs)} keys")
-        table_size = proto.table_bytes(count)
-        if frame != proto.REPLY.size + table_size + data_bytes:
+        """The head is in: check it against the request."""
+        count = len(self.requests[0][0][0])
+        head = self._head
+        frame = int.from_bytes(head[:_LENGTH_BYTES], "big")
+        magic, refusal, prefix, asked, data_bytes = proto.REPLY.unpack_from(head, _LENGTH_BYTES)
+        if magic != proto.REPLY_MAGIC or asked != count or prefix > proto.MAX_PREFIX:
+            raise ProtocolError(f"node {self.node}: not a reply to {count} keys")
+        if frame != len(head) - _LENGTH_BYTES + data_bytes:
             raise ProtocolError(f"node {self.node}: a reply frame of {frame} bytes is inconsistent")
-        self._refusal, self._prefix, self._count = refusal, prefix, count
-        self._data_bytes = data_bytes
-        self._table = bytearray(table_size)
-        self._scatter = _Whole(self._table)
-        self._stage = "table"
+        self._refusal, self._prefix, self._data_bytes = refusal, prefix, data_bytes
 
     def _on_table(self, place: Place, counters: Counter[str]) -> None:
+        """The head and table are in: receive the shard bytes where ``place`` says."""
         (bs, indices), _ = self.requests[0]
-        count = self._count
-        statuses = np.frombuffer(self._table, np.uint8, count)
-        lengths = np.frombuffer(self._table, "<u4", count, proto.padded(count)).astype(np.int64)
-        served = statuses == proto.OK
-        prefix = self._prefix
-        if (
-            int(lengths[served].sum()) + prefix * int(served.sum()) != self._data_bytes
-            or lengths[~served].any()
-        ):
-            raise ProtocolError(f"node {self.node}: reply lengths do not add up")
-        if self._refusal:
-            counters[f"refused_{proto.NAMES.get(self._refusal, self._refusal)}"] += count
-        elif not served.all():
-            for status, times in Counter(statuses[~served].tolist()).items():
-                counters[f"shards_{proto.NAMES.get(status, status)}"] += times
-        if not served.all():  # else the request's own arrays (``place`` may know them)
+        count = len(bs)
+        head = self._head
+        refusal, prefix, data_bytes = self._refusal, self._prefix, self._data_bytes
+        lengths = np.frombuffer(head, "<u4", count, _HEAD_BYTES + proto.padded(count))
+        lengths = lengths.astype(np.int64)
+        if head.count(_OK, _HEAD_BYTES, _HEAD_BYTES + count) == count:  # all served: the usual
+            if int(lengths.sum()) + prefix * count != data_bytes:
+                raise ProtocolError(f"node {self.node}: reply lengths do not add up")
+        else:
+            statuses = np.frombuffer(head, np.uint8, count, _HEAD_BYTES)
+            served = statuses == proto.OK
+            if (
+                int(lengths[served].sum()) + prefix * int(served.sum()) != data_bytes
+                or lengths[~served].any()
+            ):
+                raise ProtocolError(f"node {self.node}: reply lengths do not add up")
+            if refusal:
+                counters[f"refused_{proto.NAMES.get(refusal, refusal)}"] += count
+            else:
+                for status, times in Counter(statuses[~served].tolist()).items():
+                    counters[f"shards_{proto.NAMES.get(status, status)}"] += times
             bs, indices, lengths = bs[served], indices[served], lengths[served]
+        # All served: the request's own arrays (``place`` may know them).
         self._scatter, taken = place(bs, indices, lengths, prefix)
         counters["shards_served"] += len(bs)
         self._items = (bs, indices)
-        self._taken = taken
-        self._shard_ends = list(itertools.accumulate((lengths + prefix).tolist()))
-        self._stage = "data"
+        self._taken = None if taken.all() else taken  # None: every shard
+        self._sizes = lengths + prefix  # each shard's bytes in the stream
 
     def _room(self, limit: int | None) -> int | None:
         """Shard bytes of this reply up to its last shard at stripe position ``limit`` not
         taken yet (None: no limit, or not in the shard bytes yet). The shards come in
         position order (``exchange``'s ``pace``)."""
-        if limit is None or self._stage != "data" or self._items is None:
+        if limit is None or self._items is None:
             return None
-        upto = bisect.bisect_right(self._items[1], limit)
-        return (self._shard_ends[upto - 1] if upto else 0) - self._scatter.done
+        upto = int(self._items[1].searchsorted(limit, "right"))
+        return (int(self._ends()[upto - 1]) if upto else 0) - self._scatter.done
 
     def position(self) -> int:
         """The stripe position of the next shard this node sends (``sys.maxsize``: none)."""
-        if self._stage == "data" and self._items is not None:
+        if self._items is not None:
             positions = self._items[1]
             if self._reported < len(positions):
                 return int(positions[self._reported])
-        for (_, positions), _ in self.requests[1 if self._stage == "data" else 0 :]:
+        for (_, positions), _ in self.requests[0 if self._items is None else 1 :]:
             if len(positions):
                 return int(positions[0])
         return sys.maxsize
 
-    def _landed(self) -> list[Items]:
-        """The shards of this reply whose last byte is in since the last call."""
-        whole = bisect.bisect_right(self._shard_ends, self._scatter.done, self._reported)
+    def _ends(self) -> np.ndarray:
+        """Where each shard of this reply ends in its shard bytes (made when first asked: a
+        reply told whole at its end needs none)."""
+        if self._shard_ends is None:
+            self._shard_ends = self._sizes.cumsum()
+        return self._shard_ends
+
+    def landed(self) -> list[Items]:
+        """The shards of this reply whose last byte is in, not told before."""
+        if self._items is None:
+            return []
+        bs, indices = self._items
+        if self._scatter.done == self._scatter.total:
+            whole = len(bs)
+        else:
+            whole = int(self._ends().searchsorted(self._scatter.done, "right"))
         if whole == self._reported:
             return []
-        assert self._items is not None
+        if self._reported == 0 and whole == len(bs) and self._taken is None:
+            self._reported = whole
+            return [(bs, indices)]
         span = slice(self._reported, whole)
         self._reported = whole
+        if self._taken is None:
+            return [(bs[span], indices[span])]
         taken = self._taken[span]
-        return [(self._items[0][span][taken], self._items[1][span][taken])]
+        return [(bs[span][taken], indices[span][taken])]
 
 
 class NodeLinks:
@@ -372,11 +419,11 @@ class NodeLinks:
         pace: int | None = None,
     ) -> list[Items]:
         """Send each node its ``requests`` and take every reply as it arrives; the shards that
-        landed whole and were taken, as (blocks, indices), also told to ``on_shards`` as they
-        land. ``pace``: with requests in stripe position order, a node more than ``pace``
-        positions ahead of the slowest one waits (its bytes stay in its socket and it stops
-        sending) until that one catches up: every block's first shards come first, and the
-        CPU goes to the node holding them back."""
+        landed whole and were taken, as (blocks, indices), also told to ``on_shards``: as they
+        land when paced, else as each reply ends (or fails). ``pace``: with requests in stripe
+        position order, a node more than ``pace`` positions ahead of the slowest one waits
+        (its bytes stay in its socket and it stops sending) until that one catches up: every
+        block's first shards come first, and the CPU goes to the node holding them back."""
         limit: int | None = None  # the last stripe position a node may send now
         replies: dict[int, _Reply] = {}
         for node, asked in requests.items():
@@ -384,66 +431,80 @@ class NodeLinks:
             if opened is not None:
                 replies[node] = opened
         landed: list[Items] = []
-        with selectors.DefaultSelector() as selector:
-            waiting: set[int] = set()  # nodes ahead by more than ``pace``: not listened to
+        poller = select.poll()
+        listening: dict[int, _Reply] = {}  # descriptor -> its reply
+        waiting: set[int] = set()  # nodes ahead by more than ``pace``: not listened to
 
-            def listen(reply: _Reply) -> None:
-                reply.conn.sock.setblocking(False)
-                selector.register(reply.conn.sock, selectors.EVENT_READ, reply)
+        def listen(reply: _Reply) -> None:
+            reply.conn.sock.setblocking(False)
+            fd = reply.conn.sock.fileno()
+            listening[fd] = reply
+            poller.register(fd, select.POLLIN)
 
-            def forget(reply: _Reply) -> None:
-                if reply.node in waiting:
-                    waiting.discard(reply.node)
-                else:
-                    selector.unregister(reply.conn.sock)
-                del replies[reply.node]
+        def forget(reply: _Reply) -> None:
+            """``reply`` is over; what it landed whole counts."""
+            got = reply.landed()
+            if got:
+                landed.extend(got)
+                if on_shards is not None:
+                    on_shards(got)
+            if reply.node in waiting:
+                waiting.discard(reply.node)
+            else:
+                fd = reply.conn.sock.fileno()
+                poller.unregister(fd)
+                del listening[fd]
+            del replies[reply.node]
 
-            def keep_pace() -> None:
-                nonlocal limit
-                if pace is None or not replies:
-                    return
-                limit = min(reply.position() for reply in replies.values()) + pace
-                for node, reply in replies.items():
-                    ahead = reply.position() > limit
-                    if ahead and node not in waiting:
-                        selector.unregister(reply.conn.sock)
-                        waiting.add(node)
-                    elif not ahead and node in waiting:
-                        waiting.discard(node)
-                        listen(reply)
+        def keep_pace() -> None:
+            nonlocal limit
+            if pace is None or not replies:
+                return
+            limit = min(reply.position() for reply in replies.values()) + pace
+            for node, reply in replies.items():
+                ahead = reply.position() > limit
+                if ahead and node not in waiting:
+                    fd = reply.conn.sock.fileno()
+                    poller.unregister(fd)
+                    del listening[fd]
+                    waiting.add(node)
+                elif not ahead and node in waiting:
+                    waiting.discard(node)
+                    listen(reply)
 
-            for reply in replies.values():
-                listen(reply)
-            keep_pace()
-            while replies:
-                left = deadline - time.monotonic()
-                ready = selector.select(left) if left > 0 else []
-                if not ready:  # the deadline passed: the rest count as down for this read
-                    for reply in list(replies.values()):
-                        forget(reply)
-                        self._lost(reply.node)
-                    break
-                for key, _ in ready:
-                    reply = key.data
-                    if replies.get(reply.node) is not reply or reply.node in waiting:
-                        continue  # replaced, finished or set waiting in this round
-                    try:
-                        got = reply.step(place, self.counters, limit)
-                    except (OSError, EOFError, ProtocolError):
-                        forget(reply)
-                        again = self._lost(reply.node, reply, deadline)
-                        if again is not None:
-                            replies[again.node] = again
-                            listen(again)
-                        keep_pace()
-                        continue
-                    if got:
-                        landed += got
-                        if on_shards is not None:
-                            on_shards(got)
-                    if not reply.requests:
-                        forget(reply)
+        for reply in replies.values():
+            listen(reply)
+        keep_pace()
+        while replies:
+            left = deadline - time.monotonic()
+            ready = poller.poll(math.ceil(left * 1000)) if left > 0 else []
+            if not ready:  # the deadline passed: the rest count as down for this read
+                for reply in list(replies.values()):
+                    forget(reply)
+                    self._lost(reply.node)
+                break
+            for fd, _ in ready:
+                found = listening.get(fd)  # None: finished or set waiting in this round
+                if found is None:
+                    continue
+                reply = found
+                try:
+                    got = reply.step(place, self.counters, limit, eager=pace is not None)
+                except (OSError, EOFError, ProtocolError):
+                    forget(reply)
+                    again = self._lost(reply.node, reply, deadline)
+                    if again is not None:
+                        replies[again.node] = again
+                        listen(again)
                     keep_pace()
+                    continue
+                if got:
+                    landed += got
+                    if on_shards is not None:
+                        on_shards(got)
+                if not reply.requests:
+                    forget(reply)
+                keep_pace()
         for conn in self._conns.values():
             conn.sock.setblocking(True)
         return landed
