@@ -314,7 +314,7 @@ class _Reply:
                 for status, times in Counter(statuses[~served].tolist()).items():
                     counters[f"shards_{proto.NAMES.get(status, status)}"] += times
             bs, indices, lengths = bs[served], indices[served], lengths[served]
-        # All served: the request's own arrays (``place`` may know them).
+        # With every shard served, ``place`` gets the request's own arrays (it may know them).
         self._scatter, taken = place(bs, indices, lengths, prefix)
         counters["shards_served"] += len(bs)
         self._items = (bs, indices)
@@ -441,13 +441,15 @@ class NodeLinks:
             listening[fd] = reply
             poller.register(fd, select.POLLIN)
 
-        def forget(reply: _Reply) -> None:
-            """``reply`` is over; what it landed whole counts."""
-            got = reply.landed()
+        def tell(got: list[Items]) -> None:
             if got:
                 landed.extend(got)
                 if on_shards is not None:
                     on_shards(got)
+
+        def forget(reply: _Reply) -> None:
+            """``reply`` is over; what it landed whole counts."""
+            tell(reply.landed())
             if reply.node in waiting:
                 waiting.discard(reply.node)
             else:
@@ -498,10 +500,7 @@ class NodeLinks:
                         listen(again)
                     keep_pace()
                     continue
-                if got:
-                    landed += got
-                    if on_shards is not None:
-                        on_shards(got)
+                tell(got)
                 if not reply.requests:
                     forget(reply)
                 keep_pace()
