@@ -1,22 +1,35 @@
-/* The direct reader's scatter receive in C: recvmsg into many pieces of a few buffers.
+/* The direct reader's receive in C: recvmsg into many pieces of a few buffers, and the
+ * usual replies of every node taken in one call.
  *
  * A node's reply to an engine read lands in pieces: each shard's record header and shard
  * header into a table slot, its fragment at its place in the block (or cut at layer
  * boundaries), padding into scratch. A 64-block read of 111 KiB blocks is ~1,900 pieces; made
  * as a Python memoryview each for socket.recvmsg_into, they cost more CPU than the bytes' own
  * copy. Here the pieces are three int64 arrays (buffer number, offset, length) over a tuple of
- * buffers, and the receive's iovec is built from them in C, without the GIL for the receive;
- * one call takes all the socket holds (a receive a few hundred KiB here) and says where the
- * next byte goes, so the reader's Python runs once per wake-up, not per receive.
- * readlinks.Scatter's memoryview loop stays the reference and the fallback (TLS, a socket with
- * a timeout, the extension not built).
+ * buffers, and the receive's iovec is built from them in C.
+ *
+ * recv_pieces: one socket, one wake-up; it takes all the socket holds (a receive a few hundred
+ * KiB here) and says where the next byte goes. readlinks.Scatter's memoryview loop stays the
+ * reference and the fallback (TLS, a socket with a timeout, the extension not built).
+ *
+ * take_replies: every node's reply at once, when each is the one the reader expects (every
+ * shard asked served whole, so where each byte goes is known before the request leaves). One
+ * poll of all the sockets, each reply's head checked as soon as it is in and its status and
+ * length table compared with the expected one, then its shard bytes received into their
+ * pieces, all without the GIL: the reader's Python runs once a read, not once a reply and a
+ * wake-up. A reply that is not the expected one (a refusal, a shard missing, another length)
+ * stops there with its head in, and readlinks' Python takes it on from its table; a failure,
+ * the end of the stream or the deadline stops a reply where it stood.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <math.h>
+#include <poll.h>
 #include <stdint.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #include "_buffers.h"
 
@@ -24,12 +37,12 @@
 #define MAX_IOV 1024 /* IOV_MAX on Linux */
 
 /* The iovec of the pieces from (first, skip) on, at most room bytes and MAX_IOV pieces, into
- * iov; its byte count into *asked. -1 with a ValueError where a piece it would use lies outside
- * its buffer: the caller then receives nothing. */
+ * iov; its byte count into *asked. -1 where a piece it would use lies outside its buffer (its
+ * number into *bad): the caller then receives nothing. Needs no GIL. */
 static int
 build_iov(struct iovec *iov, Py_buffer *targets, Py_ssize_t count, const int64_t *which,
           const int64_t *offsets, const int64_t *lengths, Py_ssize_t pieces, Py_ssize_t first,
-          Py_ssize_t skip, Py_ssize_t room, size_t *asked)
+          Py_ssize_t skip, Py_ssize_t room, size_t *asked, Py_ssize_t *bad)
 {
     int used = 0;
     *asked = 0;
@@ -41,8 +54,7 @@ build_iov(struct iovec *iov, Py_buffer *targets, Py_ssize_t count, const int64_t
             continue;
         if (b < 0 || b >= count || at < 0 || len < 0 || at > targets[b].len ||
             len > targets[b].len - at || (p == first && skip >= len)) {
-            PyErr_Format(PyExc_ValueError, "recv_pieces: piece %zd names bytes outside its buffer",
-                         p);
+            *bad = p;
             return -1;
         }
         int64_t from = p == first ? skip : 0;
@@ -99,12 +111,15 @@ recv_pieces(PyObject *self, PyObject *args)
      * next call, which then has received nothing. */
     while (room > 0 && first < pieces) {
         size_t asked;
+        Py_ssize_t bad;
         int used = build_iov(iov, targets, count, which, offsets, lengths, pieces, first, skip,
-                             room, &asked);
+                             room, &asked, &bad);
         if (used < 0) {
-            if (total == 0)
+            if (total == 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "recv_pieces: piece %zd names bytes outside its buffer", bad);
                 goto release;
-            PyErr_Clear();
+            }
             break;
         }
         struct msghdr message = {0};
@@ -155,6 +170,350 @@ release:
     return result;
 }
 
+/* --- take_replies --------------------------------------------------------------------- */
+
+/* A reply's head (readproto): the frame's length (4 bytes, big-endian), then REPLY: magic,
+ * refusal, a reserved byte, the prefix (u16), the count (u32), the data bytes (u64), little-
+ * endian; its status and length table follows. */
+#define HEAD_BYTES 24
+enum { HEAD, DATA, DONE, OTHER };                   /* a reply's phase */
+enum { S_PHASE, S_FAILED, S_ERRNO, S_RECEIVED, S_FIRST, S_SKIP, S_FIELDS }; /* its state row */
+
+typedef struct {
+    int fd;
+    char *head; /* the head and table land here */
+    Py_ssize_t head_len;
+    const char *table; /* the table of the expected reply */
+    int64_t data, lo, hi; /* its shard bytes without prefixes; its rows */
+    int64_t *state;
+} reply_t;
+
+typedef struct {
+    Py_buffer *targets;
+    Py_ssize_t count;
+    int64_t *which, *offsets, *lengths;
+    Py_ssize_t columns;
+    const int64_t *first_at;
+    int64_t first_bytes, max_prefix;
+} layout_t;
+
+static uint64_t
+little(const unsigned char *p, int bytes)
+{
+    uint64_t value = 0;
+    while (bytes-- > 0)
+        value = value << 8 | p[bytes];
+    return value;
+}
+
+/* The prefix of a reply whose head is the expected one's (bar the prefix), else -1. */
+static int64_t
+usual_prefix(const reply_t *r, const layout_t *l)
+{
+    const unsigned char *h = (const unsigned char *)r->head;
+    uint64_t frame = (uint64_t)h[0] << 24 | (uint64_t)h[1] << 16 | (uint64_t)h[2] << 8 | h[3];
+    int64_t prefix = (int64_t)little(h + 10, 2), count = (int64_t)little(h + 12, 4);
+    uint64_t data = little(h + 16, 8);
+    if (memcmp(h + 4, "KVRR", 4) != 0 || h[8] != 0 || prefix > l->max_prefix ||
+        count != r->hi - r->lo || data != (uint64_t)(count * prefix + r->data) ||
+        frame != (uint64_t)(r->head_len - 4) + data)
+        return -1;
+    return prefix;
+}
+
+static void
+fail(int64_t *state, int error)
+{
+    state[S_FAILED] = 1;
+    state[S_ERRNO] = error;
+}
+
+/* What a receive on a reply's socket returned: 1 where bytes came (counted), 0 where the reply
+ * waits (the socket held none) or failed (the failure recorded), -1 to try again (EINTR). */
+static int
+took(int64_t *st, ssize_t got)
+{
+    if (got > 0) {
+        st[S_RECEIVED] += got;
+        return 1;
+    }
+    if (got < 0 && errno == EINTR)
+        return -1;
+    if (got == 0)
+        fail(st, 0);
+    else if (errno != EAGAIN && errno != EWOULDBLOCK)
+        fail(st, errno);
+    return 0;
+}
+
+/* Take what the socket holds of reply r; it leaves r's phase HEAD or DATA only when the socket
+ * held no more. */
+static void
+step(reply_t *r, const layout_t *l)
+{
+    int64_t *st = r->state;
+    while (st[S_PHASE] == HEAD) {
+        Py_ssize_t done = (Py_ssize_t)st[S_RECEIVED];
+        ssize_t got = recv(r->fd, r->head + done, (size_t)(r->head_len - done), MSG_DONTWAIT);
+        int status = took(st, got);
+        if (status <= 0) {
+            if (status < 0)
+                continue;
+            return;
+        }
+        done += got;
+        if (done < HEAD_BYTES)
+            continue;
+        int64_t prefix = usual_prefix(r, l); /* a head that is not the expected one's: at once */
+        if (prefix < 0) {
+            st[S_PHASE] = OTHER;
+            return;
+        }
+        if (done < r->head_len)
+            continue;
+        if (memcmp(r->head + HEAD_BYTES, r->table, (size_t)(r->head_len - HEAD_BYTES)) != 0) {
+            st[S_PHASE] = OTHER;
+            return;
+        }
+        for (int64_t row = r->lo; row < r->hi; row++)
+            if (l->first_at[row] < prefix) {
+                st[S_PHASE] = OTHER;
+                return;
+            }
+        /* Each shard's first piece takes the prefix before its own bytes. */
+        for (int64_t row = r->lo; row < r->hi; row++) {
+            l->offsets[row * l->columns] = l->first_at[row] - prefix;
+            l->lengths[row * l->columns] = l->first_bytes + prefix;
+        }
+        st[S_PHASE] = DATA;
+        st[S_FIRST] = r->lo * l->columns;
+        st[S_SKIP] = 0;
+    }
+    if (st[S_PHASE] != DATA)
+        return;
+    Py_ssize_t end = (Py_ssize_t)(r->hi * l->columns);
+    struct iovec iov[MAX_IOV];
+    while (st[S_FIRST] < end) {
+        size_t asked;
+        Py_ssize_t first = (Py_ssize_t)st[S_FIRST], skip = (Py_ssize_t)st[S_SKIP], bad;
+        int used = build_iov(iov, l->targets, l->count, l->which, l->offsets, l->lengths, end,
+                             first, skip, PY_SSIZE_T_MAX, &asked, &bad);
+        if (used < 0) { /* checked before the call: never */
+            fail(st, EFAULT);
+            return;
+        }
+        struct msghdr message = {0};
+        message.msg_iov = iov;
+        message.msg_iovlen = (size_t)used;
+        ssize_t got = recvmsg(r->fd, &message, MSG_DONTWAIT);
+        int status = took(st, got);
+        if (status <= 0) {
+            if (status < 0)
+                continue;
+            return;
+        }
+        Py_ssize_t left = got;
+        while (first < end && left >= l->lengths[first] - skip) {
+            left -= l->lengths[first] - skip;
+            first++;
+            skip = 0;
+        }
+        st[S_FIRST] = first;
+        st[S_SKIP] = skip + left;
+        if ((size_t)got < asked) /* a short read: the socket held no more */
+            return;
+    }
+    st[S_PHASE] = DONE;
+}
+
+static double
+monotonic(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+}
+
+/* Poll every reply still in HEAD or DATA and step the ready ones, until none is or the deadline
+ * passes. 0, or EINTR where a signal came (call again once it is handled). */
+static int
+take(reply_t *replies, struct pollfd *polls, Py_ssize_t m, const layout_t *l, double deadline)
+{
+    for (;;) {
+        Py_ssize_t active = 0;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            const int64_t *st = replies[i].state;
+            int open = !st[S_FAILED] && (st[S_PHASE] == HEAD || st[S_PHASE] == DATA);
+            polls[i].fd = open ? replies[i].fd : -1; /* poll skips a negative one */
+            polls[i].events = POLLIN;
+            polls[i].revents = 0;
+            active += open;
+        }
+        double left = deadline - monotonic();
+        if (!active || left <= 0)
+            return 0;
+        int ready = poll(polls, (nfds_t)m, (int)ceil(left * 1000));
+        if (ready < 0)
+            return errno == EINTR ? EINTR : 0;
+        for (Py_ssize_t i = 0; i < m && ready > 0; i++)
+            if (polls[i].fd >= 0 && polls[i].revents) {
+                step(&replies[i], l);
+                ready--;
+            }
+    }
+}
+
+static int
+int64_array(PyObject *object, Py_buffer *view, int writable, const char *name, Py_ssize_t n)
+{
+    if (contiguous(object, view, writable, name) < 0)
+        return -1;
+    if (view->len != n * 8) {
+        PyErr_Format(PyExc_ValueError, "take_replies: %s must hold %zd int64", name, n);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+take_replies(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *fds_o, *heads, *tables, *sums_o, *rows_o, *buffers, *arrays_o[3], *first_at_o,
+        *state_o;
+    Py_ssize_t columns;
+    long long first_bytes, max_prefix;
+    double deadline;
+    if (!PyArg_ParseTuple(args, "OO!O!OOO!OOOnOLLdO", &fds_o, &PyTuple_Type, &heads,
+                          &PyTuple_Type, &tables, &sums_o, &rows_o, &PyTuple_Type, &buffers,
+                          &arrays_o[0], &arrays_o[1], &arrays_o[2], &columns, &first_at_o,
+                          &first_bytes, &max_prefix, &deadline, &state_o))
+        return NULL;
+    Py_ssize_t m = PyTuple_GET_SIZE(heads), count = PyTuple_GET_SIZE(buffers);
+    if (PyTuple_GET_SIZE(tables) != m || count < 1 || count > MAX_BUFFERS || columns < 1 ||
+        first_bytes < 0 || max_prefix < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "take_replies: a head and a table a reply, 1 to %d buffers, columns >= 1",
+                     MAX_BUFFERS);
+        return NULL;
+    }
+    Py_buffer targets[MAX_BUFFERS], fds, sums, rows, arrays[3], first_at, state;
+    Py_buffer *head_views = PyMem_Calloc((size_t)(m ? m : 1), sizeof(Py_buffer));
+    Py_buffer *table_views = PyMem_Calloc((size_t)(m ? m : 1), sizeof(Py_buffer));
+    reply_t *replies = PyMem_Calloc((size_t)(m ? m : 1), sizeof(reply_t));
+    struct pollfd *polls = PyMem_Calloc((size_t)(m ? m : 1), sizeof(struct pollfd));
+    int held = 0, arrays_held = 0, heads_held = 0, tables_held = 0, error = 0;
+    int have_fds = 0, have_sums = 0, have_rows = 0, have_first = 0, have_state = 0;
+    PyObject *result = NULL;
+    if (!head_views || !table_views || !replies || !polls) {
+        PyErr_NoMemory();
+        goto release;
+    }
+    for (; held < count; held++)
+        if (contiguous(PyTuple_GET_ITEM(buffers, held), &targets[held], 1, "buffers") < 0)
+            goto release;
+    static const char *names[3] = {"which", "offsets", "lengths"};
+    for (; arrays_held < 3; arrays_held++)
+        if (contiguous(arrays_o[arrays_held], &arrays[arrays_held], 1, names[arrays_held]) < 0)
+            goto release;
+    Py_ssize_t pieces = arrays[0].len / 8, total_rows = pieces / columns;
+    if (arrays[0].len % 8 || arrays[1].len != arrays[0].len || arrays[2].len != arrays[0].len ||
+        pieces % columns) {
+        PyErr_SetString(PyExc_ValueError,
+                        "take_replies: which, offsets, lengths: rows x columns int64 each");
+        goto release;
+    }
+    if (int64_array(fds_o, &fds, 0, "fds", m) < 0)
+        goto release;
+    have_fds = 1;
+    if (int64_array(sums_o, &sums, 0, "sums", m) < 0)
+        goto release;
+    have_sums = 1;
+    if (int64_array(rows_o, &rows, 0, "rows", 2 * m) < 0)
+        goto release;
+    have_rows = 1;
+    if (int64_array(first_at_o, &first_at, 0, "first_at", total_rows) < 0)
+        goto release;
+    have_first = 1;
+    if (int64_array(state_o, &state, 1, "state", S_FIELDS * m) < 0)
+        goto release;
+    have_state = 1;
+    const int64_t *which = arrays[0].buf, *offsets = arrays[1].buf, *lengths = arrays[2].buf;
+    const int64_t *at0 = first_at.buf, *span = rows.buf;
+    /* Every piece a reply may fill is checked here, once: the loop runs without the GIL. */
+    for (Py_ssize_t i = 0; i < m; i++) {
+        reply_t *r = &replies[i];
+        if (contiguous(PyTuple_GET_ITEM(heads, i), &head_views[i], 1, "heads") < 0)
+            goto release;
+        heads_held++;
+        if (contiguous(PyTuple_GET_ITEM(tables, i), &table_views[i], 0, "tables") < 0)
+            goto release;
+        tables_held++;
+        r->fd = (int)((const int64_t *)fds.buf)[i];
+        r->head = head_views[i].buf;
+        r->head_len = head_views[i].len;
+        r->table = table_views[i].buf;
+        r->data = ((const int64_t *)sums.buf)[i];
+        r->lo = span[2 * i];
+        r->hi = span[2 * i + 1];
+        r->state = (int64_t *)state.buf + S_FIELDS * i;
+        if (r->fd < 0 || r->head_len != HEAD_BYTES + table_views[i].len || r->lo < 0 ||
+            r->hi <= r->lo || r->hi > total_rows || r->data < 0) {
+            PyErr_Format(PyExc_ValueError, "take_replies: reply %zd is not one to take", i);
+            goto release;
+        }
+        for (int64_t row = r->lo; row < r->hi; row++)
+            for (Py_ssize_t c = 0; c < columns; c++) {
+                Py_ssize_t p = (Py_ssize_t)(row * columns + c);
+                int64_t b = which[p], at = c ? offsets[p] : at0[row];
+                int64_t len = c ? lengths[p] : first_bytes;
+                if (c && len == 0) /* an empty piece takes no byte, wherever it points */
+                    continue;
+                if (b < 0 || b >= count || at < 0 || len < 0 || at > targets[b].len ||
+                    len > targets[b].len - at) {
+                    PyErr_Format(PyExc_ValueError,
+                                 "take_replies: piece %zd names bytes outside its buffer", p);
+                    goto release;
+                }
+            }
+        memset(r->state, 0, S_FIELDS * sizeof(int64_t));
+    }
+    layout_t layout = {targets, count, arrays[0].buf, arrays[1].buf, arrays[2].buf, columns,
+                       at0, first_bytes, max_prefix};
+    do {
+        Py_BEGIN_ALLOW_THREADS
+        error = take(replies, polls, m, &layout, deadline);
+        Py_END_ALLOW_THREADS
+    } while (error == EINTR && PyErr_CheckSignals() == 0);
+    if (!PyErr_Occurred())
+        result = Py_NewRef(Py_None);
+release:
+    while (tables_held-- > 0)
+        PyBuffer_Release(&table_views[tables_held]);
+    while (heads_held-- > 0)
+        PyBuffer_Release(&head_views[heads_held]);
+    if (have_state)
+        PyBuffer_Release(&state);
+    if (have_first)
+        PyBuffer_Release(&first_at);
+    if (have_rows)
+        PyBuffer_Release(&rows);
+    if (have_sums)
+        PyBuffer_Release(&sums);
+    if (have_fds)
+        PyBuffer_Release(&fds);
+    while (arrays_held-- > 0)
+        PyBuffer_Release(&arrays[arrays_held]);
+    while (held-- > 0)
+        PyBuffer_Release(&targets[held]);
+    PyMem_Free(polls);
+    PyMem_Free(replies);
+    PyMem_Free(table_views);
+    PyMem_Free(head_views);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"recv_pieces", recv_pieces, METH_VARARGS,
      "recv_pieces(fd, buffers, which, offsets, lengths, first, skip, most) -> (received, first, "
@@ -163,6 +522,18 @@ static PyMethodDef methods[] = {
      "the socket holds no more (drained), the pieces are full or most bytes (-1: no limit) are "
      "in; the piece to fill next and its bytes filled. (0, .., 0) at the end of the stream; "
      "OSError as recvmsg fails before any byte."},
+    {"take_replies", take_replies, METH_VARARGS,
+     "take_replies(fds, heads, tables, sums, rows, buffers, which, offsets, lengths, columns, "
+     "first_at, first_bytes, max_prefix, deadline, state) -> None: take reply i from socket "
+     "fds[i], its head and table into heads[i]; if they are the expected reply's (the table "
+     "is tables[i], the shard bytes sums[i] plus a prefix of at most max_prefix a shard), its "
+     "shards (rows rows[2i] .. rows[2i+1], columns pieces each, as recv_pieces names them) are "
+     "received into their pieces, the prefix first into each row's first piece (offsets and "
+     "lengths of column 0 set to first_at[row] - prefix, first_bytes + prefix). Until every "
+     "reply is done, failed or not the expected one, or the monotonic clock passes deadline. "
+     "state[6i:6i+6]: phase (0 head, 1 data, 2 done, 3 not the expected reply, its head in), "
+     "failed, errno (0: the end of the stream), bytes received, the piece to fill next and its "
+     "bytes filled."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,3 +12,20 @@ def recv_pieces(
     skip: int,
     most: int,
 ) -> tuple[int, int, int, bool]: ...
+def take_replies(
+    fds: Any,
+    heads: tuple[Any, ...],
+    tables: tuple[bytes, ...],
+    sums: Any,
+    rows: Any,
+    buffers: tuple[Any, ...],
+    which: Any,
+    offsets: Any,
+    lengths: Any,
+    columns: int,
+    first_at: Any,
+    first_bytes: int,
+    max_prefix: int,
+    deadline: float,
+    state: Any,
+) -> None: ...

@@ -11,7 +11,10 @@ into a small table beside; the pieces are named by arrays (``readlinks.Scatter``
 ``bytes`` or memoryview per block or shard. Importable without Ray or any server module.
 
 **Order.** Every request goes out at once and the replies of all nodes are taken as their
-bytes arrive, a turn of each ready node at a time (``readlinks.NodeLinks.exchange``). A reader
+bytes arrive, a turn of each ready node at a time (``readlinks.NodeLinks.exchange``). Where
+every byte of each usual reply goes (each shard asked served whole) is worked out before the
+requests leave (``_Plan``), so those replies are taken in one C call for all nodes; a reply
+that is not the usual one goes on in Python from its status table. A reader
 that hands bytes on as they arrive (``on_prefix``) asks each node for its data shards stripe
 position by position: position 0 of every block first, then 1, ...; so every block's first
 bytes (a layer-major load's first layers) are in place and checked while the rest is still on
@@ -33,8 +36,10 @@ never handed out as a block. Once the caller has handed bytes on, a block that f
 at once: decoding it into place would rewrite bytes that may be in use.
 
 Failures never escape: a node that cannot be reached, times out or answers what is not a reply
-loses its connection, and counts as holding only the shards it sent whole before that. Not
-thread-safe: one reader per thread (each keeps one connection per node).
+loses its connection, counts as holding only the shards it sent whole before that, and is not
+asked again in this read (the careful path has a deadline of its own, so a stalled node costs
+one timeout and its blocks are decoded around it). Not thread-safe: one reader per thread
+(each keeps one connection per node).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ import xxhash
 
 from kvstore.blockstore import readproto as proto
 from kvstore.blockstore.capability import ReadCapability
-from kvstore.blockstore.readlinks import Items, NodeLinks, ReadEndpoint, Request, Scatter
+from kvstore.blockstore.readlinks import Items, NodeLinks, ReadEndpoint, Request, Scatter, Usual
 from kvstore.blockstore.records import BlockLocation
 from kvstore.ec.codec import Codec
 from kvstore.ec.shard import (
@@ -182,10 +187,10 @@ def _head_at(bs: np.ndarray, indices: np.ndarray, k: int) -> np.ndarray:
 
 class _Plan:
     """The pieces of every request of a ``_fast`` read for the usual reply (each shard asked
-    is served whole), worked out for all nodes at once: a node's reply then takes its rows
-    instead of a dozen array passes of its own (``place``'s general case, which the others
-    take). Column 0 (the reply's prefix and the shard's header into its slot) waits for the
-    reply's prefix; the fragment's pieces and the padding follow."""
+    is served whole), worked out for all nodes at once: ``usual``, for the exchange to take
+    those replies in one C call, and ``pieces`` for a reply taken in Python (``place``'s
+    general case serves the others). Column 0 (the reply's prefix and the shard's header into
+    its slot) waits for the reply's prefix; the fragment's pieces and the padding follow."""
 
     def __init__(
         self,
@@ -193,15 +198,9 @@ class _Plan:
         requests: Mapping[int, list[Request]],
         span: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, ...]],
         k: int,
+        buffers: tuple[Any, ...],
     ) -> None:
         chunks = [items for asked in requests.values() for items, _ in asked]
-        #: id of a request's blocks -> (those blocks, its first row, the row after its last):
-        #: the reply hands ``place`` that very array when every shard it asked was served.
-        self._rows: dict[int, tuple[np.ndarray, int, int]] = {}
-        end = 0
-        for bs, _ in chunks:
-            self._rows[id(bs)] = (bs, end, end + len(bs))
-            end += len(bs)
         bs = np.concatenate([b for b, _ in chunks]) if chunks else np.zeros(0, np.int64)
         indices = np.concatenate([i for _, i in chunks]) if chunks else np.zeros(0, np.int64)
         fragment, begin, take = span(bs, indices)
@@ -216,17 +215,37 @@ class _Plan:
         self._length[:, 1:-1] = piece_len
         self._length[:, -1] = fragment - take
         self._head_at = _head_at(bs, indices, k)
-        self._whole = HEADER_BYTES + fragment  # a shard served whole: its header and fragment
+        self._whole = whole = HEADER_BYTES + fragment  # a shard served whole: header, fragment
+        # Per request (by its blocks array): its rows, and its usual reply's table and bytes.
+        lengths = whole.astype("<u4")
+        upto = np.concatenate([[0], whole.cumsum()]).tolist()
+        expected: dict[int, tuple[np.ndarray, int, int, bytes, int]] = {}
+        lo = 0
+        for b, _ in chunks:
+            hi = lo + len(b)
+            table = bytes(proto.padded(len(b))) + lengths[lo:hi].tobytes()  # every status OK
+            expected[id(b)] = (b, lo, hi, table, upto[hi] - upto[lo])
+            lo = hi
+        self.usual = Usual(
+            buffers,
+            self._which.reshape(-1),
+            self._at.reshape(-1),
+            self._length.reshape(-1),
+            columns,
+            self._head_at,
+            HEADER_BYTES,
+            expected,
+        )
 
     def pieces(
         self, bs: np.ndarray, lengths: np.ndarray, prefix: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """A ``Scatter``'s which, offsets and lengths for the reply of the request asking
         ``bs`` when it served every shard whole (``lengths``), else None."""
-        found = self._rows.get(id(bs))
+        found = self.usual.requests.get(id(bs))
         if found is None or found[0] is not bs:
             return None
-        _, lo, hi = found
+        _, lo, hi, _, _ = found
         if len(lengths) != hi - lo or not (lengths == self._whole[lo:hi]).all():
             return None
         self._at[lo:hi, 0] = self._head_at[lo:hi] - prefix
@@ -241,7 +260,10 @@ OnPrefix = Callable[[int, np.ndarray], bool]
 class DirectReader:
     """Reads leased blocks from the nodes at ``endpoints`` (node id → engine read socket)
     with their read capability; ``k`` + ``m``: the tier's stripe geometry. ``timeout_s``
-    bounds one ``read_into`` (a node slower than that counts as down for it)."""
+    bounds each of a ``read_into``'s two passes (the data shards; then, for the blocks that
+    did not land whole, every shard): a node that fails or is slower than that in the first
+    counts as down for the rest of the read and is not asked again, so one stalled node costs
+    the read one ``timeout_s`` and its blocks are decoded around it."""
 
     def __init__(
         self,
@@ -340,9 +362,11 @@ class DirectReader:
             time.monotonic() + self._timeout,
             spread,
         )
+        self._links.down.clear()
         ok, in_use = self._fast(read, on_prefix)
         careful = np.flatnonzero(~ok)
         if careful.size and not in_use:
+            read.deadline = time.monotonic() + self._timeout
             ok[careful] = self._careful(read, careful.tolist(), blocks)
         self.counters["blocks"] += n
         self.counters["misses"] += int(n - ok.sum())
@@ -379,7 +403,7 @@ class DirectReader:
         requests = self._requests(
             read, _asks(read.placements[:, :k]), by_position=on_prefix is not None
         )
-        plan = _Plan(read, requests, span, k)
+        plan = _Plan(read, requests, span, k, (read.view, slot_view, scratch[0]))
 
         def place(
             bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray, prefix: int
@@ -464,6 +488,7 @@ class DirectReader:
             read.deadline,
             on_shards,
             pace=None if on_prefix is None else 1,
+            usual=plan.usual,
         )
         check()
         if on_prefix is not None:
@@ -520,7 +545,9 @@ class DirectReader:
 
         rows = np.array(chosen, np.int64)
         stripes: dict[int, list[np.ndarray | None]] = {b: [None] * width for b in chosen}
-        asks = _asks(read.placements[rows], rows)
+        placements = read.placements[rows]
+        placements[np.isin(placements, list(self._links.down))] = -1  # down for this read
+        asks = _asks(placements, rows)
         for bs, indices in self._links.exchange(self._requests(read, asks), place, read.deadline):
             for b, index in zip(bs.tolist(), indices.tolist(), strict=True):
                 stripes[b][index] = landing[b, index]
@@ -625,7 +652,7 @@ def _asks(placements: np.ndarray, rows: np.ndarray | None = None) -> dict[int, I
     order = np.argsort(nodes, kind="stable")
     nodes, blocks, indices = nodes[order], blocks[order], indices[order]
     found, first = np.unique(nodes, return_index=True)
-    ends = [*first[1:].tolist(), len(nodes)]
+    ends = [*first[1:].tolist(), len(nodes)][: len(found)]  # none held: none
     return {
         int(node): (blocks[a:b], indices[a:b])
         for node, a, b in zip(found.tolist(), first.tolist(), ends, strict=True)

@@ -10,7 +10,12 @@ received straight into the pieces the caller's ``place`` names (``Scatter``: on 
 one C call takes all the socket holds, its ``recvmsg`` iovecs built from the pieces' arrays;
 TLS has no scatter receive, so piece by piece there), and the caller is told of the shards
 that landed whole (``on_shards``): each as soon as its last byte is in when the exchange is
-paced, else as its reply ends.
+paced, else as its reply ends. Unpaced, on plain sockets, the replies the caller planned
+(``Usual``: every shard served whole, so where each byte goes is known before the requests
+leave) are taken in one C call for all nodes (``_recvpieces.take_replies``): one poll loop,
+each head checked as soon as it is in and the status table compared with the planned one,
+without the GIL and without Python per reply or wake-up; a reply that turns out otherwise
+goes on here from its table.
 
 Failures never escape: a node that cannot be reached, times out or answers what is not a reply
 loses its connection and is asked nothing more in this exchange; what it sent whole before
@@ -29,6 +34,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -65,6 +71,41 @@ Place = Callable[[np.ndarray, np.ndarray, np.ndarray, int], tuple["Scatter", np.
 
 #: One request to a node: the shards it asks for and its frame.
 Request = tuple[Items, bytes]
+
+
+@dataclass
+class Usual:
+    """Where the bytes of a read's usual replies go (each reply serves every shard it was asked
+    whole), worked out before the requests leave, so the replies of all nodes can be taken in
+    one C call (``take_replies``) without Python per reply or wake-up. Row r of ``which``,
+    ``offsets`` and ``lengths`` (``columns`` pieces each, row-major, into ``buffers``, as a
+    ``Scatter`` names them) is the r-th shard asked over all requests; its first piece takes
+    the reply's prefix before its own ``first_bytes`` bytes at ``first_at[r]``. ``requests``:
+    per request, by the id of its blocks array, (that array, its first row, the row after its
+    last, the status and length table of its usual reply, its shard bytes without prefixes)."""
+
+    buffers: tuple[Any, ...]
+    which: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    columns: int
+    first_at: np.ndarray
+    first_bytes: int
+    requests: dict[int, tuple[np.ndarray, int, int, bytes, int]]
+
+    def expected(self, request: Request) -> tuple[int, int, bytes, int] | None:
+        """The rows, table and shard bytes of ``request``'s usual reply (None: not planned)."""
+        (bs, _), _ = request
+        found = self.requests.get(id(bs))
+        if found is None or found[0] is not bs:
+            return None
+        return found[1:]
+
+
+#: ``take_replies``' state row of a reply: its phase (below), whether it failed, the errno (0:
+#: the end of the stream), bytes received, the piece to fill next and its bytes filled.
+_PHASE, _FAILED, _ERRNO, _RECEIVED, _FIRST, _SKIP, _FIELDS = range(7)
+_IN_HEAD, _IN_DATA, _DONE, _OTHER = range(4)
 
 
 class ProtocolError(Exception):
@@ -263,18 +304,31 @@ class _Reply:
             drained = self._scatter.drained
             counters["bytes_received"] += got
             self.fresh = False
-            if self._items is None:
-                if self._prefix < 0 and self._scatter.done >= _HEAD_BYTES:
-                    self._on_head()  # a head that is not a reply's fails before its table
-                if self._scatter.done < self._scatter.total:
-                    continue
-                self._on_table(place, counters)
-            if eager or self._scatter.done == self._scatter.total:
-                landed += self.landed()
-            if self._scatter.done == self._scatter.total:
-                self.requests.pop(0)
-                if self.requests:
-                    self._start()
+            landed += self._took(place, counters, eager)
+        return landed
+
+    def resume(self, received: int, place: Place, counters: Counter[str]) -> list[Items]:
+        """Go on from ``take_replies``, which stopped this reply with ``received`` bytes of its
+        head and table in (not the usual reply); what ``step`` would return."""
+        self._scatter.done = received
+        self.fresh = False
+        return self._took(place, counters, eager=False)
+
+    def _took(self, place: Place, counters: Counter[str], eager: bool) -> list[Items]:
+        """Bytes came in: the head checked once in, the table read, the shards landed (see
+        ``step``); once the reply is whole, on to the next request."""
+        if self._items is None:
+            if self._prefix < 0 and self._scatter.done >= _HEAD_BYTES:
+                self._on_head()  # a head that is not a reply's fails before its table
+            if self._scatter.done < self._scatter.total:
+                return []
+            self._on_table(place, counters)
+        whole = self._scatter.done == self._scatter.total
+        landed = self.landed() if eager or whole else []
+        if whole:
+            self.requests.pop(0)
+            if self.requests:
+                self._start()
         return landed
 
     def _on_head(self) -> None:
@@ -381,6 +435,9 @@ class NodeLinks:
         self._tls = tls
         self._conns: dict[int, Connection] = {}
         self.counters = counters
+        #: The nodes that failed an exchange (not reached, timed out, not a reply; not a stale
+        #: pooled connection dialed again) since the caller last cleared it.
+        self.down: set[int] = set()
 
     def close(self) -> None:
         for conn in self._conns.values():
@@ -417,13 +474,16 @@ class NodeLinks:
         deadline: float,
         on_shards: Callable[[list[Items]], object] | None = None,
         pace: int | None = None,
+        usual: Usual | None = None,
     ) -> list[Items]:
         """Send each node its ``requests`` and take every reply as it arrives; the shards that
         landed whole and were taken, as (blocks, indices), also told to ``on_shards``: as they
         land when paced, else as each reply ends (or fails). ``pace``: with requests in stripe
         position order, a node more than ``pace`` positions ahead of the slowest one waits
         (its bytes stay in its socket and it stops sending) until that one catches up: every
-        block's first shards come first, and the CPU goes to the node holding them back."""
+        block's first shards come first, and the CPU goes to the node holding them back.
+        ``usual``: where the usual replies' bytes go; unpaced on plain sockets they are taken
+        in one C call, the others (and any reply that is not the usual one) here."""
         limit: int | None = None  # the last stripe position a node may send now
         replies: dict[int, _Reply] = {}
         for node, asked in requests.items():
@@ -431,6 +491,8 @@ class NodeLinks:
             if opened is not None:
                 replies[node] = opened
         landed: list[Items] = []
+        if usual is not None and pace is None and self._tls is None and _pieces is not None:
+            landed += self._take_usual(replies, usual, place, deadline, on_shards)
         poller = select.poll()
         listening: dict[int, _Reply] = {}  # descriptor -> its reply
         waiting: set[int] = set()  # nodes ahead by more than ``pace``: not listened to
@@ -508,6 +570,84 @@ class NodeLinks:
             conn.sock.setblocking(True)
         return landed
 
+    def _take_usual(
+        self,
+        replies: dict[int, _Reply],
+        usual: Usual,
+        place: Place,
+        deadline: float,
+        on_shards: Callable[[list[Items]], object] | None,
+    ) -> list[Items]:
+        """Take the planned replies of ``replies`` in one C call (``take_replies``); the shards
+        that landed whole (also told to ``on_shards``). A reply that ends leaves ``replies``
+        (a node with requests left stays, at its next one); one that failed is dropped (a
+        stale pooled connection, failed before its first byte, is dialed again and stays,
+        sent its requests again); one that is not the usual reply stays, its head checked and
+        its table taken here."""
+        taken = [
+            (reply, found)
+            for reply in replies.values()
+            if (found := usual.expected(reply.requests[0])) is not None
+        ]
+        if not taken:
+            return []
+        state = np.zeros((len(taken), _FIELDS), np.int64)
+        assert _pieces is not None
+        _pieces.take_replies(
+            np.array([reply.conn.sock.fileno() for reply, _ in taken], np.int64),
+            tuple(reply._head for reply, _ in taken),
+            tuple(table for _, (_, _, table, _) in taken),
+            np.array([data for _, (_, _, _, data) in taken], np.int64),
+            np.array([(lo, hi) for _, (lo, hi, _, _) in taken], np.int64),
+            usual.buffers,
+            usual.which,
+            usual.offsets,
+            usual.lengths,
+            usual.columns,
+            usual.first_at,
+            usual.first_bytes,
+            proto.MAX_PREFIX,
+            deadline,
+            state,
+        )
+        landed: list[Items] = []
+        for (reply, (lo, _, _, _)), row in zip(taken, state.tolist(), strict=True):
+            phase, failed, received, first = row[_PHASE], row[_FAILED], row[_RECEIVED], row[_FIRST]
+            self.counters["bytes_received"] += received
+            (bs, indices), _ = reply.requests[0]
+            if phase == _OTHER and not failed:
+                try:
+                    landed += reply.resume(received, place, self.counters)
+                except ProtocolError:
+                    failed = 1
+                else:
+                    if not reply.requests:
+                        del replies[reply.node]
+                    continue
+            whole = 0
+            if phase in (_IN_DATA, _DONE):
+                self.counters["shards_served"] += len(bs)
+                whole = len(bs) if phase == _DONE else first // usual.columns - lo
+            if whole:
+                landed.append((bs[:whole], indices[:whole]))
+            if phase == _DONE:
+                self.counters["replies_taken_at_once"] += 1
+                reply.fresh = False
+                reply.requests.pop(0)
+                if reply.requests:
+                    reply._start()
+                else:
+                    del replies[reply.node]
+                continue
+            del replies[reply.node]  # failed, or out of time: down for this read
+            reply.fresh = reply.fresh and not received
+            again = self._lost(reply.node, reply if failed else None, deadline)
+            if again is not None:
+                replies[again.node] = again
+        if landed and on_shards is not None:
+            on_shards(landed)
+        return landed
+
     def _open(self, node: int, requests: list[Request], deadline: float) -> _Reply | None:
         """Send ``node`` its requests on its pooled connection, else a new one (a failed send
         on a pooled one is worth one redial); None: it cannot be reached."""
@@ -524,6 +664,7 @@ class NodeLinks:
             conn.send(frames, deadline)
         except (OSError, ValueError):
             self._drop(node)
+            self.down.add(node)
             return None
         return _Reply(node, conn, requests, fresh=False)
 
@@ -533,6 +674,7 @@ class NodeLinks:
         dialed again once and sent what it still owes (the new reply, or None)."""
         self._drop(node)
         if reply is None or not reply.fresh:
+            self.down.add(node)
             return None
         return self._open(node, reply.requests, deadline)
 

@@ -22,7 +22,7 @@ from kvstore.blockstore.readlinks import Scatter
 from kvstore.blockstore.readserver import EngineReadServer
 from kvstore.blockstore.records import BlockLocation
 from kvstore.blockstore.segments import RECORD_BYTES
-from kvstore.ec.shard import HEADER_BYTES
+from kvstore.ec.shard import HEADER_BYTES, fragment_length
 from kvstore.fastcall.tls import ClientTLS, ServerTLS
 
 SIZE = 100_000  # not a multiple of 10 x 64: the last fragment carries padding
@@ -108,7 +108,9 @@ def test_a_nodes_shards_that_lie_end_to_end_go_in_one_send(tier: ReadNodes) -> N
         assert stats["served"] > 1 and stats["sends"] == 1, stats
 
 
-def test_shards_asked_out_of_their_order_on_disk_arrive_whole(tier: ReadNodes) -> None:
+def test_shards_asked_out_of_their_order_on_disk_arrive_whole(
+    tier: ReadNodes, receive_in: str
+) -> None:
     """Shards asked in another order than they lie, or with one missing between them, go as
     separate runs; every byte still lands where it belongs."""
     blocks = _lease(tier)[::-1]
@@ -277,7 +279,7 @@ def test_blocks_smaller_than_a_fragment_per_shard_land_whole(
     assert reader.counters["fast_blocks"] == 5
 
 
-def test_a_node_down_is_decoded_around_from_parity(tier: ReadNodes) -> None:
+def test_a_node_down_is_decoded_around_from_parity(tier: ReadNodes, receive_in: str) -> None:
     blocks = _lease(tier)
     tier.servers[4].close()
     reader = DirectReader(tier.endpoints, 10, 2, timeout_s=5.0)
@@ -298,6 +300,24 @@ def test_a_damaged_data_shard_is_found_and_decoded_around(tier: ReadNodes, check
     assert ok == [True] * len(blocks)
     _check(tier, blocks, out, ok)
     assert reader.counters["corrupt_shards"] == 1 and reader.counters["decoded_blocks"] == 1
+
+
+def _read_around(
+    tier: ReadNodes, index: int, endpoint: tuple[str, int], timeout_s: float
+) -> tuple[DirectReader, float]:
+    """Read the lease with ``endpoint`` standing in for the node holding the first block's
+    shard ``index``: every block must still come back right. The reader, and the seconds the
+    read took."""
+    blocks = _lease(tier)
+    liar = blocks[0].placement[index]
+    reader = DirectReader({**tier.endpoints, liar: endpoint}, 10, 2, timeout_s=timeout_s)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    started = time.monotonic()
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    took = time.monotonic() - started
+    assert ok == [True] * len(blocks)
+    _check(tier, blocks, out, ok)
+    return reader, took
 
 
 def _answering(head: bytes) -> tuple[tuple[str, int], threading.Event]:
@@ -328,7 +348,9 @@ def _answering(head: bytes) -> tuple[tuple[str, int], threading.Event]:
 
 
 @pytest.mark.parametrize("why", ["not a reply", "fewer keys"])
-def test_a_node_answering_what_is_not_a_reply_is_dropped_at_once(tier: ReadNodes, why: str) -> None:
+def test_a_node_answering_what_is_not_a_reply_is_dropped_at_once(
+    tier: ReadNodes, why: str, receive_in: str
+) -> None:
     """Its head fails as soon as it is in: the reader does not wait out the read's deadline for
     a status table the head does not promise, and decodes around the node from parity."""
     from kvstore.blockstore import readproto as proto
@@ -337,18 +359,117 @@ def test_a_node_answering_what_is_not_a_reply_is_dropped_at_once(tier: ReadNodes
         proto.REPLY_MAGIC if why == "fewer keys" else b"HTTP", 0, 0, 1, 0
     ) + bytes(proto.table_bytes(1))
     endpoint, done = _answering(len(body).to_bytes(4, "big") + body)
-    blocks = _lease(tier)
-    liar = blocks[0].placement[3]
-    reader = DirectReader({**tier.endpoints, liar: endpoint}, 10, 2, timeout_s=20.0)
-    out = np.zeros(len(blocks) * SIZE, np.uint8)
-    started = time.monotonic()
-    ok = reader.read_into(tier.capability(blocks), blocks, out)
-    took = time.monotonic() - started
+    reader, took = _read_around(tier, 3, endpoint, timeout_s=20.0)
     done.set()
-    assert ok == [True] * len(blocks)
-    _check(tier, blocks, out, ok)
     assert reader.counters["decoded_blocks"] > 0 and reader.counters["node_failures"] >= 1
     assert took < 10, f"waited {took:.1f} s for a reply that was never coming"
+
+
+def test_usual_replies_are_taken_at_once_the_others_where_they_stop(
+    tier: ReadNodes, receive_in: str
+) -> None:
+    """With the C extension every node's reply that serves each shard asked whole is taken in
+    one call (``take_replies``); a node missing one shard answers otherwise, and its reply is
+    taken on in Python from its table."""
+    blocks = _lease(tier)
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    assert reader.read_into(tier.capability(blocks), blocks, out) == [True] * len(blocks)
+    _check(tier, blocks, out, [True] * len(blocks))
+    assert reader.counters["replies_taken_at_once"] == (12 if receive_in == "c" else 0)
+    victim = blocks[3]
+    tier.nodes[victim.placement[1]].delete([victim.key])
+    out[:] = 0
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    assert ok == [True] * len(blocks)
+    _check(tier, blocks, out, ok)
+    assert reader.counters["replies_taken_at_once"] == (12 + 11 if receive_in == "c" else 0)
+    assert reader.counters["shards_missing"] >= 1 and reader.counters["decoded_blocks"] == 1
+
+
+def _trickling(endpoint: tuple[str, int], seed: int) -> tuple[str, int]:
+    """A relay to the node at ``endpoint`` that passes its replies on in pieces of 1 byte to
+    20 KB, a pause now and then: every cut a stream can make, the head's included."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    rng = random.Random(seed)
+
+    def relay(peer: socket.socket) -> None:
+        with peer, socket.create_connection(endpoint) as node:
+            peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each cut goes now
+            while True:
+                size = peer.recv(4, socket.MSG_WAITALL)
+                if len(size) < 4:
+                    return
+                node.sendall(size + peer.recv(int.from_bytes(size, "big"), socket.MSG_WAITALL))
+                length = int.from_bytes(node.recv(4, socket.MSG_WAITALL), "big")
+                reply = length.to_bytes(4, "big") + node.recv(length, socket.MSG_WAITALL)
+                at = 0
+                while at < len(reply):
+                    cut = rng.choice([1, 3, 20, 24, 700, 20_000])
+                    peer.sendall(reply[at : at + cut])
+                    at += cut
+                    if rng.random() < 0.05:
+                        time.sleep(0.001)
+
+    def accept() -> None:
+        with listener:
+            listener.settimeout(30)
+            try:
+                while True:
+                    peer, _ = listener.accept()
+                    threading.Thread(target=relay, args=(peer,), daemon=True).start()
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener.getsockname()[:2]
+
+
+def test_replies_cut_anywhere_by_the_stream_land_whole(tier: ReadNodes, receive_in: str) -> None:
+    blocks = _lease(tier)
+    endpoints = {node: _trickling(tier.endpoints[node], node) for node in range(12)}
+    reader = DirectReader(endpoints, 10, 2)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    assert ok == [True] * len(blocks), reader.counters
+    _check(tier, blocks, out, ok)
+    assert reader.counters["decoded_blocks"] == 0 and reader.counters["node_failures"] == 0
+    assert reader.counters["replies_taken_at_once"] == (12 if receive_in == "c" else 0)
+
+
+def test_a_node_that_stalls_mid_reply_costs_the_deadline_and_its_bytes_are_not_trusted(
+    tier: ReadNodes, receive_in: str
+) -> None:
+    """A stand-in answers with the head and table of the usual reply, then sends garbage for
+    half its shards and stalls: the read ends at its deadline, the shards that came whole fail
+    their checksums, and every block is decoded around the node."""
+    from kvstore.blockstore import readproto as proto
+
+    whole = HEADER_BYTES + fragment_length(SIZE, 10)
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        with listener:
+            peer, _ = listener.accept()
+        with peer:
+            size = int.from_bytes(peer.recv(4, socket.MSG_WAITALL), "big")
+            body = peer.recv(size, socket.MSG_WAITALL)
+            count = int.from_bytes(body[12:16], "little")
+            data = count * whole
+            table = bytes(proto.padded(count)) + np.full(count, whole, "<u4").tobytes()
+            head = proto.REPLY.pack(proto.REPLY_MAGIC, 0, 0, count, data) + table
+            peer.sendall((len(head) + data).to_bytes(4, "big") + head)
+            peer.sendall(os.urandom(data // 2))
+            done.wait(10)
+
+    threading.Thread(target=serve, daemon=True).start()
+    reader, took = _read_around(tier, 2, listener.getsockname()[:2], timeout_s=1.0)
+    done.set()
+    assert 1.0 <= took < 5.0, took
+    assert reader.counters["node_failures"] >= 1
+    liar = _lease(tier)[0].placement[2]
+    assert reader.counters["decoded_blocks"] == sum(liar in b.placement[:10] for b in _lease(tier))
 
 
 def test_more_losses_than_parity_is_a_miss_never_wrong_bytes(tier: ReadNodes) -> None:
@@ -363,7 +484,7 @@ def test_more_losses_than_parity_is_a_miss_never_wrong_bytes(tier: ReadNodes) ->
     _check(tier, blocks, out, ok)
 
 
-def test_a_reader_outlives_a_node_restart_of_its_socket(tier: ReadNodes) -> None:
+def test_a_reader_outlives_a_node_restart_of_its_socket(tier: ReadNodes, receive_in: str) -> None:
     """A connection the node dropped is dialed again on the next read."""
     blocks = _lease(tier)[:4]
     reader = DirectReader(tier.endpoints, 10, 2)
@@ -378,7 +499,7 @@ def test_a_reader_outlives_a_node_restart_of_its_socket(tier: ReadNodes) -> None
     assert reader.counters["decoded_blocks"] == 0  # redialed at once, no block went careful
 
 
-def test_a_connection_the_node_let_go_idle_is_redialed(tier: ReadNodes) -> None:
+def test_a_connection_the_node_let_go_idle_is_redialed(tier: ReadNodes, receive_in: str) -> None:
     for i, server in enumerate(tier.servers):  # nodes that let an idle peer go at once
         server.close()
         tier.servers[i] = EngineReadServer(
