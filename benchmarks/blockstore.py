@@ -44,7 +44,10 @@ Targets, exit status 1 if one is missed (each printed with its issue, met / NOT 
 put 111 KiB and 1.35 MiB >= 1.0x Redis SET; get 111 KiB >= 1.0x Redis GET, get 1.35 MiB >= 2.0x
 Redis GET; get with 2 nodes killed >= 0.8x normal get (both sizes). Issue 32: put 111 KiB >= 0.8x
 the disk ceiling and <= 4 CPU-s per GB over all processes (kvstore total); get, direct 111 KiB
->= 1.0x Redis GET. The shared 2-core machine is noisy: compare ratios from one run.
+>= 1.0x Redis GET, in GB/s on this machine and per client core (the Redis client's CPU-s per GB
+over the direct reader's): the second is what a deployment sees, with the 12 nodes on machines
+of their own instead of sharing this machine's cores with the reader (Redis is one process
+beside its client here). The shared 2-core machine is noisy: compare ratios from one run.
 
     python3 benchmarks/blockstore.py [--runs 12] [--batch 64] [--batch-large 64] \\
         [--case-seconds 20] [--fsync batch] [--data-root DIR] [--json] [--zstd]
@@ -90,6 +93,9 @@ KILLED = (0, 1)
 WARMUPS = 2
 DIRECT, GATEWAY = "get, direct", "get, gateway"
 TABLED = ("Redis SET", "Redis GET", "normal get")
+#: A target on what one client core takes (1 / the client process's CPU-s per GB), the bound
+#: where the storage nodes or redis-server run on machines of their own.
+CLIENT_CORE = "Redis GET client, per client core"
 #: (row, size) -> [(what is compared, minimum ratio, issue)]; "CPU-s/GB" is a maximum instead,
 #: over every process of the run (kvstore total).
 TARGETS: dict[tuple[str, str], list[tuple[str, float, int]]] = {
@@ -99,7 +105,7 @@ TARGETS: dict[tuple[str, str], list[tuple[str, float, int]]] = {
     ("get", LARGE): [("Redis GET", 2.0, 17)],
     ("get, 2 nodes killed", SMALL): [("normal get", 0.8, 17)],
     ("get, 2 nodes killed", LARGE): [("normal get", 0.8, 17)],
-    (DIRECT, SMALL): [("Redis GET", 1.0, 32)],
+    (DIRECT, SMALL): [("Redis GET", 1.0, 32), (CLIENT_CORE, 1.0, 32)],
 }
 
 
@@ -392,8 +398,15 @@ def target_result(
     bench: Bench, entry: dict[str, Any], versus: str, limit: float, issue: int
 ) -> dict[str, Any]:
     """One target of a row: its value and whether it is met (a ratio at least ``limit``, or
-    for "CPU-s/GB" the kvstore total at most ``limit``)."""
+    for "CPU-s/GB" the kvstore total at most ``limit``; for ``CLIENT_CORE`` the ratio of the
+    Redis client's CPU per GB to kvstore's client's)."""
     ours = entry["kvstore"]
+    if versus == CLIENT_CORE:
+        mine = (ours.get("cpu_s_per_gb") or {}).get("client")
+        theirs = ((entry["redis"] or {}).get("cpu_s_per_gb") or {}).get("client")
+        value = theirs / mine if mine and theirs else None
+        met = value is not None and value >= limit
+        return {"versus": versus, "ratio": value, "min": limit, "met": met, "issue": issue}
     if versus == "CPU-s/GB":
         cpu = ours.get("cpu_s_per_gb")
         value = sum(cpu.values()) if cpu else None

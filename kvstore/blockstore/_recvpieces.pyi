@@ -28,4 +28,5 @@ def take_replies(
     max_prefix: int,
     deadline: float,
     state: Any,
+    check: tuple[Any, Any] | None,
 ) -> None: ...

@@ -8,60 +8,32 @@
  * themselves ~0.3 ms); here it is one pass, without the GIL. direct.py's Python loop stays the
  * reference and the fallback when the extension is not built or cannot find xxh3.
  *
- * xxh3 comes from the xxhash package's own extension (a dependency of kvstore, already loaded):
- * its streaming functions are looked up there once, at import, so this file needs no xxhash
- * header or library at build time and hashes with exactly the code the writer used. Where that
- * extension does not export them, importing this module fails and the Python loop serves.
+ * xxh3 is the xxhash package's own (_xxh3.h); where its extension does not export it, importing
+ * this module fails and the Python loop serves. take_replies (_recvpieces.c) checks the shards
+ * of a read's usual replies as they land instead; this call checks the others.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <dlfcn.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "_buffers.h"
+#include "_xxh3.h"
 
-typedef void *(*create_state_fn)(void);
-typedef int (*free_state_fn)(void *);
-typedef int (*reset_fn)(void *);
-typedef int (*update_fn)(void *, const void *, size_t);
-typedef uint64_t (*digest_fn)(const void *);
+static xxh3_t xxh3;
 
-static create_state_fn create_state;
-static free_state_fn free_state;
-static reset_fn reset;
-static update_fn update;
-static digest_fn digest;
-
-#define HEADER_BYTES 64
-#define CHECKED_FROM 8
-static const uint8_t ZEROS[4096];
-
-static uint64_t
-load_be64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v = (v << 8) | p[i];
-    return v;
-}
+#define HEADER_BYTES SHARD_HEADER_BYTES
 
 /* The checksum of one shard: header tail, then its pieces, then pad zero bytes. */
 static int
 shard_ok(void *state, const uint8_t *head, const uint8_t *data, const int64_t *at,
          const int64_t *len, Py_ssize_t pieces, int64_t pad)
 {
-    reset(state);
-    update(state, head + CHECKED_FROM, HEADER_BYTES - CHECKED_FROM);
+    shard_sum_begin(&xxh3, state, head);
     for (Py_ssize_t p = 0; p < pieces; p++)
         if (len[p])
-            update(state, data + at[p], (size_t)len[p]);
-    while (pad > 0) {
-        size_t step = pad < (int64_t)sizeof(ZEROS) ? (size_t)pad : sizeof(ZEROS);
-        update(state, ZEROS, step);
-        pad -= (int64_t)step;
-    }
-    return digest(state) == load_be64(head);
+            xxh3.update(state, data + at[p], (size_t)len[p]);
+    return shard_sum_holds(&xxh3, state, head, pad);
 }
 
 static PyObject *
@@ -107,7 +79,7 @@ check_sums(PyObject *self, PyObject *args)
             goto release;
         }
     }
-    void *state = create_state();
+    void *state = xxh3.create_state();
     if (state == NULL) {
         PyErr_NoMemory();
         goto release;
@@ -119,44 +91,13 @@ check_sums(PyObject *self, PyObject *args)
         out[s] = (uint8_t)shard_ok(state, head_bytes + heads_at[s], data_bytes,
                                    ats + s * per_shard, lens + s * per_shard, per_shard, pad[s]);
     Py_END_ALLOW_THREADS
-    free_state(state);
+    xxh3.free_state(state);
     result = Py_None;
     Py_INCREF(result);
 release:
     while (taken-- > 0)
         PyBuffer_Release(&views[taken]);
     return result;
-}
-
-/* The xxh3 streaming functions of the xxhash package's extension (see the top of this file). */
-static int
-find_xxh3(void)
-{
-    PyObject *module = PyImport_ImportModule("xxhash._xxhash");
-    if (module == NULL)
-        return -1;
-    PyObject *file = PyObject_GetAttrString(module, "__file__");
-    Py_DECREF(module);
-    if (file == NULL)
-        return -1;
-    const char *path = PyUnicode_AsUTF8(file);
-    void *library = path == NULL ? NULL : dlopen(path, RTLD_NOW | RTLD_NOLOAD);
-    Py_DECREF(file);
-    if (library == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ImportError, "_shardsums: the xxhash extension is not loaded");
-        return -1;
-    }
-    create_state = (create_state_fn)dlsym(library, "XXH3_createState");
-    free_state = (free_state_fn)dlsym(library, "XXH3_freeState");
-    reset = (reset_fn)dlsym(library, "XXH3_64bits_reset");
-    update = (update_fn)dlsym(library, "XXH3_64bits_update");
-    digest = (digest_fn)dlsym(library, "XXH3_64bits_digest");
-    if (!create_state || !free_state || !reset || !update || !digest) {
-        PyErr_SetString(PyExc_ImportError, "_shardsums: the xxhash extension exports no xxh3");
-        return -1;
-    }
-    return 0;
 }
 
 static PyMethodDef methods[] = {
@@ -177,7 +118,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__shardsums(void)
 {
-    if (find_xxh3() < 0)
+    if (find_xxh3(&xxh3, "_shardsums") < 0)
         return NULL;
     return PyModule_Create(&module);
 }

@@ -199,6 +199,7 @@ class _Plan:
         span: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, ...]],
         k: int,
         buffers: tuple[Any, ...],
+        sums: np.ndarray,
     ) -> None:
         chunks = [items for asked in requests.values() for items, _ in asked]
         bs = np.concatenate([b for b, _ in chunks]) if chunks else np.zeros(0, np.int64)
@@ -235,6 +236,7 @@ class _Plan:
             self._head_at,
             HEADER_BYTES,
             expected,
+            (bs * k + indices, sums.reshape(-1)),
         )
 
     def pieces(
@@ -389,6 +391,7 @@ class DirectReader:
         scratch = [memoryview(bytearray(int(fragments.max(initial=0))))]
         landed = np.zeros((n, k), bool)
         checked = np.zeros((n, k), bool)
+        sums = np.zeros((n, k), np.uint8)  # by C as shards land: 1 the checksum holds, 2 not
         unchecked: list[Items] = []
         told = 0  # stripe positions told to ``on_prefix`` so far
         in_use = False
@@ -403,7 +406,7 @@ class DirectReader:
         requests = self._requests(
             read, _asks(read.placements[:, :k]), by_position=on_prefix is not None
         )
-        plan = _Plan(read, requests, span, k, (read.view, slot_view, scratch[0]))
+        plan = _Plan(read, requests, span, k, (read.view, slot_view, scratch[0]), sums)
 
         def place(
             bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray, prefix: int
@@ -451,7 +454,9 @@ class DirectReader:
             good &= (head[:, 32:64] == read.keys[bs]).all(axis=1)
             good &= (head[:, 24:32] == heads[bs, 0, 24:32]).all(axis=1)  # one write
             fragment, begin, take = span(bs, indices)
-            rows = np.flatnonzero(good)
+            known = sums[bs, indices]
+            good &= known != 2
+            rows = np.flatnonzero(good & (known == 0))  # not checked as they landed
             good[rows] = _sums_hold(
                 read, slots, bs[rows], indices[rows], begin[rows], take[rows], fragment[rows]
             )

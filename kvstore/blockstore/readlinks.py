@@ -82,7 +82,10 @@ class Usual:
     ``Scatter`` names them) is the r-th shard asked over all requests; its first piece takes
     the reply's prefix before its own ``first_bytes`` bytes at ``first_at[r]``. ``requests``:
     per request, by the id of its blocks array, (that array, its first row, the row after its
-    last, the status and length table of its usual reply, its shard bytes without prefixes)."""
+    last, the status and length table of its usual reply, its shard bytes without prefixes).
+    ``check``: None, or (cells, sums): each row is a shard (its header ends its first piece,
+    its last piece is padding), checked by its checksum as it lands in C (where the xxhash
+    extension has xxh3), ``sums[cells[r]]`` set to 1 where it holds, 2 where not."""
 
     buffers: tuple[Any, ...]
     which: np.ndarray
@@ -92,6 +95,7 @@ class Usual:
     first_at: np.ndarray
     first_bytes: int
     requests: dict[int, tuple[np.ndarray, int, int, bytes, int]]
+    check: tuple[np.ndarray, np.ndarray] | None = None
 
     def expected(self, request: Request) -> tuple[int, int, bytes, int] | None:
         """The rows, table and shard bytes of ``request``'s usual reply (None: not planned)."""
@@ -103,8 +107,9 @@ class Usual:
 
 
 #: ``take_replies``' state row of a reply: its phase (below), whether it failed, the errno (0:
-#: the end of the stream), bytes received, the piece to fill next and its bytes filled.
-_PHASE, _FAILED, _ERRNO, _RECEIVED, _FIRST, _SKIP, _FIELDS = range(7)
+#: the end of the stream), bytes received, the piece to fill next and its bytes filled, the
+#: next row to check.
+_PHASE, _FAILED, _ERRNO, _RECEIVED, _FIRST, _SKIP, _CHECKED, _FIELDS = range(8)
 _IN_HEAD, _IN_DATA, _DONE, _OTHER = range(4)
 
 
@@ -609,6 +614,7 @@ class NodeLinks:
             proto.MAX_PREFIX,
             deadline,
             state,
+            usual.check,
         )
         landed: list[Items] = []
         for (reply, (lo, _, _, _)), row in zip(taken, state.tolist(), strict=True):

@@ -290,7 +290,11 @@ def test_a_node_down_is_decoded_around_from_parity(tier: ReadNodes, receive_in: 
     assert reader.counters["decoded_blocks"] > 0
 
 
-def test_a_damaged_data_shard_is_found_and_decoded_around(tier: ReadNodes, checksums: str) -> None:
+def test_a_damaged_data_shard_is_found_and_decoded_around(
+    tier: ReadNodes, checksums: str, receive_in: str
+) -> None:
+    """Found by its checksum: as it lands (``take_replies``), or after (``_shardsums``, or
+    their Python reference)."""
     blocks = _lease(tier)
     victim = blocks[5]
     _damage(tier, victim.placement[2], victim.key)
