@@ -200,29 +200,45 @@ typedef struct {
     Py_ssize_t columns;
     const int64_t *first_at;
     int64_t first_bytes, max_prefix;
-    /* Where rows are shards to check as they land: each row's result (1 holds, 2 fails) goes to
-     * sums[cells[row]]; NULL: none checked here. */
+    /* Where rows are shards to check as they land: row's shard is cell = cells[row] = block x k
+     * + stripe index; its result (1 holds, 2 fails) goes to sums[cell]; NULL: none checked
+     * here. What its header must say: magic, version, k, m, sizes[block], keys[block]. */
     const int64_t *cells;
     uint8_t *sums;
+    const int64_t *sizes;
+    const uint8_t *keys, *magic;
+    int64_t k, m, version;
     void *state; /* xxh3's */
 } layout_t;
 
+static uint64_t little(const unsigned char *p, int bytes);
 static xxh3_t xxh3;
 static int have_xxh3; /* 0 where the xxhash extension exports no xxh3: rows go unchecked */
 
-/* Check the shard in row: its header ends its first piece, its fragment is the pieces between,
- * its last piece is the padding (hashed as the zeros it must be, wherever its bytes went). */
+/* Check the shard in row: its header ends its first piece (ec.shard's layout: checksum, magic,
+ * index, version, k, m, size, write, key) and names this block, stripe index and geometry; its
+ * fragment is the pieces between, its last piece is the padding (hashed as the zeros it must
+ * be, wherever its bytes went). Whether it is of the same write as its block's other shards is
+ * the caller's to check. */
 static void
 check_row(const layout_t *l, int64_t row)
 {
     Py_ssize_t p0 = (Py_ssize_t)(row * l->columns), last = p0 + l->columns - 1;
     const uint8_t *head = (const uint8_t *)l->targets[l->which[p0]].buf + l->first_at[row];
+    int64_t cell = l->cells[row], block = cell / l->k;
+    if (memcmp(head + 8, l->magic, 4) != 0 || head[12] != cell % l->k || head[13] != l->version ||
+        head[14] != l->k || head[15] != l->m ||
+        little(head + 16, 8) != (uint64_t)l->sizes[block] ||
+        memcmp(head + 32, l->keys + 32 * block, 32) != 0) {
+        l->sums[cell] = 2;
+        return;
+    }
     shard_sum_begin(&xxh3, l->state, head);
     for (Py_ssize_t p = p0 + 1; p < last; p++)
         if (l->lengths[p])
             xxh3.update(l->state, (const uint8_t *)l->targets[l->which[p]].buf + l->offsets[p],
                         (size_t)l->lengths[p]);
-    l->sums[l->cells[row]] = shard_sum_holds(&xxh3, l->state, head, l->lengths[last]) ? 1 : 2;
+    l->sums[cell] = shard_sum_holds(&xxh3, l->state, head, l->lengths[last]) ? 1 : 2;
 }
 
 static uint64_t
@@ -422,10 +438,13 @@ take_replies(PyObject *self, PyObject *args)
                           &arrays_o[0], &arrays_o[1], &arrays_o[2], &columns, &first_at_o,
                           &first_bytes, &max_prefix, &deadline, &state_o, &check_o))
         return NULL;
-    PyObject *cells_o = NULL, *checked_o = NULL;
+    PyObject *cells_o = NULL, *checked_o = NULL, *sizes_o = NULL, *keys_o = NULL, *magic_o = NULL;
+    long long k = 1, parity = 0, version = 0;
     if (check_o != Py_None &&
-        !PyArg_ParseTuple(check_o, "OO;take_replies: check is (cells, sums) or None", &cells_o,
-                          &checked_o))
+        !PyArg_ParseTuple(check_o,
+                          "OOOOLLOL;take_replies: check is (cells, sums, sizes, keys, k, m, "
+                          "magic, version) or None",
+                          &cells_o, &checked_o, &sizes_o, &keys_o, &k, &parity, &magic_o, &version))
         return NULL;
     Py_ssize_t m = PyTuple_GET_SIZE(heads), count = PyTuple_GET_SIZE(buffers);
     if (PyTuple_GET_SIZE(tables) != m || count < 1 || count > MAX_BUFFERS || columns < 1 ||
@@ -436,13 +455,14 @@ take_replies(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_buffer targets[MAX_BUFFERS], fds, sums, rows, arrays[3], first_at, state, cells, checked;
+    Py_buffer sizes, keys, magic;
     Py_buffer *head_views = PyMem_Calloc((size_t)(m ? m : 1), sizeof(Py_buffer));
     Py_buffer *table_views = PyMem_Calloc((size_t)(m ? m : 1), sizeof(Py_buffer));
     reply_t *replies = PyMem_Calloc((size_t)(m ? m : 1), sizeof(reply_t));
     struct pollfd *polls = PyMem_Calloc((size_t)(m ? m : 1), sizeof(struct pollfd));
     int held = 0, arrays_held = 0, heads_held = 0, tables_held = 0, error = 0;
     int have_fds = 0, have_sums = 0, have_rows = 0, have_first = 0, have_state = 0;
-    int have_cells = 0, have_checked = 0;
+    int have_cells = 0, have_checked = 0, have_sizes = 0, have_keys = 0, have_magic = 0;
     void *hashing = NULL;
     PyObject *result = NULL;
     if (!head_views || !table_views || !replies || !polls) {
@@ -479,10 +499,25 @@ take_replies(PyObject *self, PyObject *args)
         goto release;
     have_state = 1;
     if (cells_o != NULL && have_xxh3) { /* without xxh3 the caller checks the rows itself */
-        if (columns < 2) {
-            PyErr_SetString(PyExc_ValueError, "take_replies: a checked row has 2 pieces or more");
+        if (contiguous(keys_o, &keys, 0, "keys") < 0)
+            goto release;
+        have_keys = 1;
+        if (contiguous(magic_o, &magic, 0, "magic") < 0)
+            goto release;
+        have_magic = 1;
+        if (columns < 2 || k < 1 || parity < 0 || magic.len != 4) {
+            PyErr_SetString(PyExc_ValueError,
+                            "take_replies: a checked row has 2 pieces or more, k >= 1, m >= 0, "
+                            "a 4-byte magic");
             goto release;
         }
+        Py_ssize_t blocks = keys.len / 32;
+        if (keys.len % 32 || int64_array(sizes_o, &sizes, 0, "sizes", blocks) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "take_replies: keys: 32 bytes a block");
+            goto release;
+        }
+        have_sizes = 1;
         if (int64_array(cells_o, &cells, 0, "cells", total_rows) < 0)
             goto release;
         have_cells = 1;
@@ -491,7 +526,7 @@ take_replies(PyObject *self, PyObject *args)
         have_checked = 1;
         const int64_t *cell = cells.buf;
         for (Py_ssize_t row = 0; row < total_rows; row++)
-            if (cell[row] < 0 || cell[row] >= checked.len) {
+            if (cell[row] < 0 || cell[row] >= checked.len || cell[row] / k >= blocks) {
                 PyErr_Format(PyExc_ValueError, "take_replies: row %zd's cell is outside sums", row);
                 goto release;
             }
@@ -542,7 +577,9 @@ take_replies(PyObject *self, PyObject *args)
     }
     layout_t layout = {targets, count, arrays[0].buf, arrays[1].buf, arrays[2].buf, columns,
                        at0, first_bytes, max_prefix, hashing ? cells.buf : NULL,
-                       hashing ? checked.buf : NULL, hashing};
+                       hashing ? checked.buf : NULL, hashing ? sizes.buf : NULL,
+                       hashing ? keys.buf : NULL, hashing ? magic.buf : NULL, k, parity, version,
+                       hashing};
     do {
         Py_BEGIN_ALLOW_THREADS
         error = take(replies, polls, m, &layout, deadline);
@@ -555,6 +592,12 @@ release:
         xxh3.free_state(hashing);
     if (have_checked)
         PyBuffer_Release(&checked);
+    if (have_sizes)
+        PyBuffer_Release(&sizes);
+    if (have_keys)
+        PyBuffer_Release(&keys);
+    if (have_magic)
+        PyBuffer_Release(&magic);
     if (have_cells)
         PyBuffer_Release(&cells);
     while (tables_held-- > 0)
@@ -601,10 +644,12 @@ static PyMethodDef methods[] = {
      "reply is done, failed or not the expected one, or the monotonic clock passes deadline. "
      "state[7i:7i+7]: phase (0 head, 1 data, 2 done, 3 not the expected reply, its head in), "
      "failed, errno (0: the end of the stream), bytes received, the piece to fill next and its "
-     "bytes filled, the next row to check. check: None, or (cells, sums): each row is a shard "
-     "(its header ends its first piece, its last piece is zero padding), checked by its "
-     "checksum as it lands, sums[cells[row]] set to 1 where it holds, 2 where not (left 0 "
-     "where the xxhash extension has no xxh3)."},
+     "bytes filled, the next row to check. check: None, or (cells, sums, sizes, keys, k, m, "
+     "magic, version): each row is shard cells[row] = block x k + index (its header ends its "
+     "first piece, its last piece is zero padding), checked as it lands: its header's magic, "
+     "index, version, k, m, size (sizes[block]) and key (keys[32 block:]), and its checksum; "
+     "sums[cells[row]] set to 1 where all hold, 2 where not (left 0 where the xxhash "
+     "extension has no xxh3)."},
     {NULL, NULL, 0, NULL},
 };
 

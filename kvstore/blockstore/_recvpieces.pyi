@@ -28,5 +28,5 @@ def take_replies(
     max_prefix: int,
     deadline: float,
     state: Any,
-    check: tuple[Any, Any] | None,
+    check: tuple[Any, Any, Any, Any, int, int, bytes, int] | None,
 ) -> None: ...

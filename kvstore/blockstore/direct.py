@@ -198,6 +198,7 @@ class _Plan:
         requests: Mapping[int, list[Request]],
         span: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, ...]],
         k: int,
+        m: int,
         buffers: tuple[Any, ...],
         sums: np.ndarray,
     ) -> None:
@@ -236,7 +237,7 @@ class _Plan:
             self._head_at,
             HEADER_BYTES,
             expected,
-            (bs * k + indices, sums.reshape(-1)),
+            (bs * k + indices, sums.reshape(-1), read.sizes, read.keys, k, m, MAGIC, VERSION),
         )
 
     def pieces(
@@ -391,7 +392,8 @@ class DirectReader:
         scratch = [memoryview(bytearray(int(fragments.max(initial=0))))]
         landed = np.zeros((n, k), bool)
         checked = np.zeros((n, k), bool)
-        sums = np.zeros((n, k), np.uint8)  # by C as shards land: 1 the checksum holds, 2 not
+        # Checked in C as they land (``take_replies``): 1 header and checksum hold, 2 not.
+        sums = np.zeros((n, k), np.uint8)
         unchecked: list[Items] = []
         told = 0  # stripe positions told to ``on_prefix`` so far
         in_use = False
@@ -406,7 +408,7 @@ class DirectReader:
         requests = self._requests(
             read, _asks(read.placements[:, :k]), by_position=on_prefix is not None
         )
-        plan = _Plan(read, requests, span, k, (read.view, slot_view, scratch[0]), sums)
+        plan = _Plan(read, requests, span, k, self.m, (read.view, slot_view, scratch[0]), sums)
 
         def place(
             bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray, prefix: int
@@ -445,6 +447,17 @@ class DirectReader:
             bs = np.concatenate([b for b, _ in unchecked])
             indices = np.concatenate([i for _, i in unchecked])
             unchecked.clear()
+            known = sums[bs, indices]
+            good = known == 1
+            rest = np.flatnonzero(known == 0)  # not checked as they landed
+            if rest.size:
+                good[rest] = holds(bs[rest], indices[rest])
+            good &= (heads[bs, indices, 24:32] == heads[bs, 0, 24:32]).all(axis=1)  # one write
+            checked[bs[good], indices[good]] = True
+
+        def holds(bs: np.ndarray, indices: np.ndarray) -> np.ndarray:
+            """Whether each shard's header names its block, stripe index and geometry, and its
+            checksum holds."""
             head = heads[bs, indices]
             good = (head[:, 8:12] == np.frombuffer(MAGIC, np.uint8)).all(axis=1)
             good &= (head[:, 12] == indices) & (head[:, 13] == VERSION)
@@ -452,15 +465,12 @@ class DirectReader:
             claimed = np.ascontiguousarray(head[:, 16:24]).view("<u8")[:, 0]
             good &= claimed == sizes[bs].astype(np.uint64)
             good &= (head[:, 32:64] == read.keys[bs]).all(axis=1)
-            good &= (head[:, 24:32] == heads[bs, 0, 24:32]).all(axis=1)  # one write
             fragment, begin, take = span(bs, indices)
-            known = sums[bs, indices]
-            good &= known != 2
-            rows = np.flatnonzero(good & (known == 0))  # not checked as they landed
+            rows = np.flatnonzero(good)
             good[rows] = _sums_hold(
                 read, slots, bs[rows], indices[rows], begin[rows], take[rows], fragment[rows]
             )
-            checked[bs[good], indices[good]] = True
+            return good
 
         def tell(upto: int) -> None:
             """Tell ``on_prefix`` of stripe positions ``told`` .. ``upto`` - 1."""

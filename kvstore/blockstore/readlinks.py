@@ -83,9 +83,11 @@ class Usual:
     the reply's prefix before its own ``first_bytes`` bytes at ``first_at[r]``. ``requests``:
     per request, by the id of its blocks array, (that array, its first row, the row after its
     last, the status and length table of its usual reply, its shard bytes without prefixes).
-    ``check``: None, or (cells, sums): each row is a shard (its header ends its first piece,
-    its last piece is padding), checked by its checksum as it lands in C (where the xxhash
-    extension has xxh3), ``sums[cells[r]]`` set to 1 where it holds, 2 where not."""
+    ``check``: None, or (cells, sums, sizes, keys, k, m, magic, version): each row is a shard
+    (its header ends its first piece, its last piece is padding), checked as it lands in C
+    (where the xxhash extension has xxh3): its header against its block (``cells[r]`` = block
+    x k + stripe index, the block's size and key) and the geometry, and its checksum;
+    ``sums[cells[r]]`` set to 1 where all hold, 2 where not (``take_replies``)."""
 
     buffers: tuple[Any, ...]
     which: np.ndarray
@@ -95,7 +97,7 @@ class Usual:
     first_at: np.ndarray
     first_bytes: int
     requests: dict[int, tuple[np.ndarray, int, int, bytes, int]]
-    check: tuple[np.ndarray, np.ndarray] | None = None
+    check: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int, bytes, int] | None = None
 
     def expected(self, request: Request) -> tuple[int, int, bytes, int] | None:
         """The rows, table and shard bytes of ``request``'s usual reply (None: not planned)."""

@@ -324,6 +324,31 @@ def _read_around(
     return reader, took
 
 
+def test_a_whole_shard_of_another_stripe_position_is_not_taken(
+    tier: ReadNodes, checksums: str, receive_in: str
+) -> None:
+    """A node serving a good shard (its checksum holds) of the block, but of another stripe
+    position than the one it was asked: its header says so, and the block is decoded around
+    it instead of taking its fragment for the one asked."""
+    blocks = _lease(tier)
+    victim = blocks[6]
+    found = [tier.nodes[victim.placement[index]].locate([victim.key])[0] for index in (2, 3)]
+    assert found[0] is not None and found[1] is not None
+    (into, at_into, _), (source, at, length) = found
+    with open(source, "rb") as file:
+        file.seek(at + RECORD_BYTES)
+        shard = file.read(length - RECORD_BYTES)
+    with open(into, "r+b") as file:
+        file.seek(at_into + RECORD_BYTES)
+        file.write(shard)
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    assert ok == [True] * len(blocks)
+    _check(tier, blocks, out, ok)
+    assert reader.counters["decoded_blocks"] == 1
+
+
 def _answering(head: bytes) -> tuple[tuple[str, int], threading.Event]:
     """A node's stand-in that answers every request with ``head`` and then holds the
     connection open, sending nothing more (until the event is set)."""
