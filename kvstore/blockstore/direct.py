@@ -23,14 +23,16 @@ the wire.
 **Checks.** The common case needs no decode: with every data shard of a block served at the
 length its size implies, the block is the fragments end to end. A shard counts once its header
 names this block, its stripe position, this geometry, this size and the write of the block's
-shard 0 (one payload hash), and its checksum (xxh3-64 over header and fragment, ``ec.shard``;
-every shard landed since the last check in one C call, ``_shardsums``) holds: each byte is
-hashed once, as it would be by one hash of the block, and a block's first shards are known good
-before its last ones arrive. Anything else (a node down or refusing, a shard missing, short,
-damaged or of another write) sends the block to the careful path: every shard of it is read
-into an array of its own, each checked whole (``check_shard``: checksum, key, position,
-geometry, size), the shards grouped by write, and the block decoded from parity
-through the codec (ISA-L) into its place, then hashed against its write's payload hash. A block
+shard 0 (one payload hash), and its checksum (xxh3-64 over header and fragment, ``ec.shard``)
+holds: the header and checksum of a usual reply's shard in C as soon as it is whole (in
+``take_replies``, its bytes still in the cache), the others' in one C call for every shard
+landed since the last check (``_shardsums``), the one write over the block's shards here. Each
+byte is hashed once, as it would be by one hash of the block, and a block's first shards are
+known good before its last ones arrive. Anything else (a node down or refusing, a shard missing,
+short, damaged or of another write) sends the block to the careful path: every shard of it is
+read into an array of its own, each checked whole (``check_shard``: checksum, key, position,
+geometry, size), the shards grouped by write, and the block decoded from parity through the
+codec (ISA-L) into its place, then hashed against its write's payload hash. A block
 that cannot be assembled that way is a miss (False): its bytes in the buffer are undefined,
 never handed out as a block. Once the caller has handed bytes on, a block that fails is a miss
 at once: decoding it into place would rewrite bytes that may be in use.
