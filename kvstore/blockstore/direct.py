@@ -58,7 +58,15 @@ import xxhash
 
 from kvstore.blockstore import readproto as proto
 from kvstore.blockstore.capability import ReadCapability
-from kvstore.blockstore.readlinks import Items, NodeLinks, ReadEndpoint, Request, Scatter, Usual
+from kvstore.blockstore.readlinks import (
+    Items,
+    NodeLinks,
+    ReadEndpoint,
+    Request,
+    Scatter,
+    ShardCheck,
+    Usual,
+)
 from kvstore.blockstore.records import BlockLocation
 from kvstore.ec.codec import Codec
 from kvstore.ec.shard import (
@@ -239,7 +247,9 @@ class _Plan:
             self._head_at,
             HEADER_BYTES,
             expected,
-            (bs * k + indices, sums.reshape(-1), read.sizes, read.keys, k, m, MAGIC, VERSION),
+            ShardCheck(
+                bs * k + indices, sums.reshape(-1), read.sizes, read.keys, k, m, MAGIC, VERSION
+            ),
         )
 
     def pieces(

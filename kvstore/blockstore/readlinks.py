@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -73,6 +73,23 @@ Place = Callable[[np.ndarray, np.ndarray, np.ndarray, int], tuple["Scatter", np.
 Request = tuple[Items, bytes]
 
 
+class ShardCheck(NamedTuple):
+    """What ``take_replies`` checks each row of a ``Usual`` against as it lands, where each
+    row is a shard (its header ends its first piece, its last piece is its padding) and the
+    xxhash extension has xxh3: its header names its block (the block's size and key) and
+    stripe position, and the geometry; its checksum holds. ``sums[cells[r]]`` is set to 1 where
+    all hold, 2 where not (left 0: not checked)."""
+
+    cells: np.ndarray  # per row: block x k + stripe index
+    sums: np.ndarray  # (blocks x k) uint8
+    sizes: np.ndarray  # per block: its bytes
+    keys: np.ndarray  # per block: its 32-byte key
+    k: int
+    m: int
+    magic: bytes
+    version: int
+
+
 @dataclass
 class Usual:
     """Where the bytes of a read's usual replies go (each reply serves every shard it was asked
@@ -83,11 +100,7 @@ class Usual:
     the reply's prefix before its own ``first_bytes`` bytes at ``first_at[r]``. ``requests``:
     per request, by the id of its blocks array, (that array, its first row, the row after its
     last, the status and length table of its usual reply, its shard bytes without prefixes).
-    ``check``: None, or (cells, sums, sizes, keys, k, m, magic, version): each row is a shard
-    (its header ends its first piece, its last piece is padding), checked as it lands in C
-    (where the xxhash extension has xxh3): its header against its block (``cells[r]`` = block
-    x k + stripe index, the block's size and key) and the geometry, and its checksum;
-    ``sums[cells[r]]`` set to 1 where all hold, 2 where not (``take_replies``)."""
+    ``check``: None, or each row is a shard checked as it lands (``ShardCheck``)."""
 
     buffers: tuple[Any, ...]
     which: np.ndarray
@@ -97,7 +110,7 @@ class Usual:
     first_at: np.ndarray
     first_bytes: int
     requests: dict[int, tuple[np.ndarray, int, int, bytes, int]]
-    check: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int, bytes, int] | None = None
+    check: ShardCheck | None = None
 
     def expected(self, request: Request) -> tuple[int, int, bytes, int] | None:
         """The rows, table and shard bytes of ``request``'s usual reply (None: not planned)."""
