@@ -411,17 +411,31 @@ take(reply_t *replies, struct pollfd *polls, Py_ssize_t m, const layout_t *l, do
     }
 }
 
-static int
-int64_array(PyObject *object, Py_buffer *view, int writable, const char *name, Py_ssize_t n)
+/* The buffers take_replies is given, held in one array and released together. */
+typedef struct {
+    Py_buffer *views;
+    Py_ssize_t held;
+} holds_t;
+
+static Py_buffer *
+hold(holds_t *h, PyObject *object, int writable, const char *name)
 {
+    Py_buffer *view = &h->views[h->held];
     if (contiguous(object, view, writable, name) < 0)
-        return -1;
-    if (view->len != n * 8) {
+        return NULL;
+    h->held++;
+    return view;
+}
+
+static Py_buffer *
+hold_int64(holds_t *h, PyObject *object, int writable, const char *name, Py_ssize_t n)
+{
+    Py_buffer *view = hold(h, object, writable, name);
+    if (view != NULL && view->len != n * 8) {
         PyErr_Format(PyExc_ValueError, "take_replies: %s must hold %zd int64", name, n);
-        PyBuffer_Release(view);
-        return -1;
+        return NULL;
     }
-    return 0;
+    return view;
 }
 
 static PyObject *
@@ -454,79 +468,58 @@ take_replies(PyObject *self, PyObject *args)
                      MAX_BUFFERS);
         return NULL;
     }
-    Py_buffer targets[MAX_BUFFERS], fds, sums, rows, arrays[3], first_at, state, cells, checked;
-    Py_buffer sizes, keys, magic;
-    Py_buffer *head_views = PyMem_Calloc((size_t)(m ? m : 1), sizeof(Py_buffer));
-    Py_buffer *table_views = PyMem_Calloc((size_t)(m ? m : 1), sizeof(Py_buffer));
+    /* The buffers first (views 0 .. count - 1 are the targets), then the arrays, the check's
+     * five, a head and a table a reply. */
+    holds_t h = {PyMem_Calloc((size_t)(count + 13 + 2 * m), sizeof(Py_buffer)), 0};
     reply_t *replies = PyMem_Calloc((size_t)(m ? m : 1), sizeof(reply_t));
     struct pollfd *polls = PyMem_Calloc((size_t)(m ? m : 1), sizeof(struct pollfd));
-    int held = 0, arrays_held = 0, heads_held = 0, tables_held = 0, error = 0;
-    int have_fds = 0, have_sums = 0, have_rows = 0, have_first = 0, have_state = 0;
-    int have_cells = 0, have_checked = 0, have_sizes = 0, have_keys = 0, have_magic = 0;
     void *hashing = NULL;
     PyObject *result = NULL;
-    if (!head_views || !table_views || !replies || !polls) {
+    if (!h.views || !replies || !polls) {
         PyErr_NoMemory();
         goto release;
     }
-    for (; held < count; held++)
-        if (contiguous(PyTuple_GET_ITEM(buffers, held), &targets[held], 1, "buffers") < 0)
+    for (Py_ssize_t b = 0; b < count; b++)
+        if (hold(&h, PyTuple_GET_ITEM(buffers, b), 1, "buffers") == NULL)
             goto release;
+    Py_buffer *targets = h.views, *arrays[3];
     static const char *names[3] = {"which", "offsets", "lengths"};
-    for (; arrays_held < 3; arrays_held++)
-        if (contiguous(arrays_o[arrays_held], &arrays[arrays_held], 1, names[arrays_held]) < 0)
+    for (int a = 0; a < 3; a++)
+        if ((arrays[a] = hold(&h, arrays_o[a], 1, names[a])) == NULL)
             goto release;
-    Py_ssize_t pieces = arrays[0].len / 8, total_rows = pieces / columns;
-    if (arrays[0].len % 8 || arrays[1].len != arrays[0].len || arrays[2].len != arrays[0].len ||
-        pieces % columns) {
+    Py_ssize_t pieces = arrays[0]->len / 8, total_rows = pieces / columns;
+    if (arrays[0]->len % 8 || arrays[1]->len != arrays[0]->len ||
+        arrays[2]->len != arrays[0]->len || pieces % columns) {
         PyErr_SetString(PyExc_ValueError,
                         "take_replies: which, offsets, lengths: rows x columns int64 each");
         goto release;
     }
-    if (int64_array(fds_o, &fds, 0, "fds", m) < 0)
+    Py_buffer *fds, *sums, *rows, *first_at, *state;
+    if ((fds = hold_int64(&h, fds_o, 0, "fds", m)) == NULL ||
+        (sums = hold_int64(&h, sums_o, 0, "sums", m)) == NULL ||
+        (rows = hold_int64(&h, rows_o, 0, "rows", 2 * m)) == NULL ||
+        (first_at = hold_int64(&h, first_at_o, 0, "first_at", total_rows)) == NULL ||
+        (state = hold_int64(&h, state_o, 1, "state", S_FIELDS * m)) == NULL)
         goto release;
-    have_fds = 1;
-    if (int64_array(sums_o, &sums, 0, "sums", m) < 0)
-        goto release;
-    have_sums = 1;
-    if (int64_array(rows_o, &rows, 0, "rows", 2 * m) < 0)
-        goto release;
-    have_rows = 1;
-    if (int64_array(first_at_o, &first_at, 0, "first_at", total_rows) < 0)
-        goto release;
-    have_first = 1;
-    if (int64_array(state_o, &state, 1, "state", S_FIELDS * m) < 0)
-        goto release;
-    have_state = 1;
+    Py_buffer *cells = NULL, *checked = NULL, *sizes = NULL, *keys = NULL, *magic = NULL;
     if (cells_o != NULL && have_xxh3) { /* without xxh3 the caller checks the rows itself */
-        if (contiguous(keys_o, &keys, 0, "keys") < 0)
+        if ((keys = hold(&h, keys_o, 0, "keys")) == NULL ||
+            (magic = hold(&h, magic_o, 0, "magic")) == NULL)
             goto release;
-        have_keys = 1;
-        if (contiguous(magic_o, &magic, 0, "magic") < 0)
-            goto release;
-        have_magic = 1;
-        if (columns < 2 || k < 1 || parity < 0 || magic.len != 4) {
+        if (columns < 2 || k < 1 || parity < 0 || magic->len != 4 || keys->len % 32) {
             PyErr_SetString(PyExc_ValueError,
                             "take_replies: a checked row has 2 pieces or more, k >= 1, m >= 0, "
-                            "a 4-byte magic");
+                            "a 4-byte magic, 32-byte keys");
             goto release;
         }
-        Py_ssize_t blocks = keys.len / 32;
-        if (keys.len % 32 || int64_array(sizes_o, &sizes, 0, "sizes", blocks) < 0) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "take_replies: keys: 32 bytes a block");
+        Py_ssize_t blocks = keys->len / 32;
+        if ((sizes = hold_int64(&h, sizes_o, 0, "sizes", blocks)) == NULL ||
+            (cells = hold_int64(&h, cells_o, 0, "cells", total_rows)) == NULL ||
+            (checked = hold(&h, checked_o, 1, "sums")) == NULL)
             goto release;
-        }
-        have_sizes = 1;
-        if (int64_array(cells_o, &cells, 0, "cells", total_rows) < 0)
-            goto release;
-        have_cells = 1;
-        if (contiguous(checked_o, &checked, 1, "sums") < 0)
-            goto release;
-        have_checked = 1;
-        const int64_t *cell = cells.buf;
+        const int64_t *cell = cells->buf;
         for (Py_ssize_t row = 0; row < total_rows; row++)
-            if (cell[row] < 0 || cell[row] >= checked.len || cell[row] / k >= blocks) {
+            if (cell[row] < 0 || cell[row] >= checked->len || cell[row] / k >= blocks) {
                 PyErr_Format(PyExc_ValueError, "take_replies: row %zd's cell is outside sums", row);
                 goto release;
             }
@@ -535,26 +528,24 @@ take_replies(PyObject *self, PyObject *args)
             goto release;
         }
     }
-    const int64_t *which = arrays[0].buf, *offsets = arrays[1].buf, *lengths = arrays[2].buf;
-    const int64_t *at0 = first_at.buf, *span = rows.buf;
+    const int64_t *which = arrays[0]->buf, *offsets = arrays[1]->buf, *lengths = arrays[2]->buf;
+    const int64_t *at0 = first_at->buf, *span = rows->buf;
     /* Every piece a reply may fill is checked here, once: the loop runs without the GIL. */
     for (Py_ssize_t i = 0; i < m; i++) {
         reply_t *r = &replies[i];
-        if (contiguous(PyTuple_GET_ITEM(heads, i), &head_views[i], 1, "heads") < 0)
+        Py_buffer *head = hold(&h, PyTuple_GET_ITEM(heads, i), 1, "heads");
+        Py_buffer *table = head ? hold(&h, PyTuple_GET_ITEM(tables, i), 0, "tables") : NULL;
+        if (table == NULL)
             goto release;
-        heads_held++;
-        if (contiguous(PyTuple_GET_ITEM(tables, i), &table_views[i], 0, "tables") < 0)
-            goto release;
-        tables_held++;
-        r->fd = (int)((const int64_t *)fds.buf)[i];
-        r->head = head_views[i].buf;
-        r->head_len = head_views[i].len;
-        r->table = table_views[i].buf;
-        r->data = ((const int64_t *)sums.buf)[i];
+        r->fd = (int)((const int64_t *)fds->buf)[i];
+        r->head = head->buf;
+        r->head_len = head->len;
+        r->table = table->buf;
+        r->data = ((const int64_t *)sums->buf)[i];
         r->lo = span[2 * i];
         r->hi = span[2 * i + 1];
-        r->state = (int64_t *)state.buf + S_FIELDS * i;
-        if (r->fd < 0 || r->head_len != HEAD_BYTES + table_views[i].len || r->lo < 0 ||
+        r->state = (int64_t *)state->buf + S_FIELDS * i;
+        if (r->fd < 0 || r->head_len != HEAD_BYTES + table->len || r->lo < 0 ||
             r->hi <= r->lo || r->hi > total_rows || r->data < 0) {
             PyErr_Format(PyExc_ValueError, "take_replies: reply %zd is not one to take", i);
             goto release;
@@ -575,11 +566,12 @@ take_replies(PyObject *self, PyObject *args)
             }
         memset(r->state, 0, S_FIELDS * sizeof(int64_t));
     }
-    layout_t layout = {targets, count, arrays[0].buf, arrays[1].buf, arrays[2].buf, columns,
-                       at0, first_bytes, max_prefix, hashing ? cells.buf : NULL,
-                       hashing ? checked.buf : NULL, hashing ? sizes.buf : NULL,
-                       hashing ? keys.buf : NULL, hashing ? magic.buf : NULL, k, parity, version,
-                       hashing};
+    layout_t layout = {targets, count, arrays[0]->buf, arrays[1]->buf, arrays[2]->buf, columns,
+                       at0, first_bytes, max_prefix, hashing ? cells->buf : NULL,
+                       hashing ? checked->buf : NULL, hashing ? sizes->buf : NULL,
+                       hashing ? keys->buf : NULL, hashing ? magic->buf : NULL, k, parity,
+                       version, hashing};
+    int error;
     do {
         Py_BEGIN_ALLOW_THREADS
         error = take(replies, polls, m, &layout, deadline);
@@ -590,38 +582,11 @@ take_replies(PyObject *self, PyObject *args)
 release:
     if (hashing)
         xxh3.free_state(hashing);
-    if (have_checked)
-        PyBuffer_Release(&checked);
-    if (have_sizes)
-        PyBuffer_Release(&sizes);
-    if (have_keys)
-        PyBuffer_Release(&keys);
-    if (have_magic)
-        PyBuffer_Release(&magic);
-    if (have_cells)
-        PyBuffer_Release(&cells);
-    while (tables_held-- > 0)
-        PyBuffer_Release(&table_views[tables_held]);
-    while (heads_held-- > 0)
-        PyBuffer_Release(&head_views[heads_held]);
-    if (have_state)
-        PyBuffer_Release(&state);
-    if (have_first)
-        PyBuffer_Release(&first_at);
-    if (have_rows)
-        PyBuffer_Release(&rows);
-    if (have_sums)
-        PyBuffer_Release(&sums);
-    if (have_fds)
-        PyBuffer_Release(&fds);
-    while (arrays_held-- > 0)
-        PyBuffer_Release(&arrays[arrays_held]);
-    while (held-- > 0)
-        PyBuffer_Release(&targets[held]);
+    while (h.held > 0)
+        PyBuffer_Release(&h.views[--h.held]);
     PyMem_Free(polls);
     PyMem_Free(replies);
-    PyMem_Free(table_views);
-    PyMem_Free(head_views);
+    PyMem_Free(h.views);
     return result;
 }
 
