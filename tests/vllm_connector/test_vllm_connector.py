@@ -30,6 +30,7 @@ from vllm_harness import (  # noqa: E402
     BLOCK_BYTES,
     EXPECTED,
     PROMPTS,
+    actor_pids,
     assert_same_outputs,
     child_env,
     damage_prompts,
@@ -107,19 +108,10 @@ def test_blocks_corrupted_beyond_repair_are_recomputed_and_the_output_still_matc
     assert damaged == 6
 
 
-def storage_node_pids() -> list[int]:
-    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [
-        int(line.split()[0])
-        for line in listing.splitlines()
-        if line.split()[1:2] == ["ray::StorageNodeActor"]
-    ]
-
-
 def test_two_storage_nodes_killed_and_a_fresh_engine_still_hits(
     tiny_model, running_tier, baseline, tmp_path
 ) -> None:
-    pids = storage_node_pids()
+    pids = actor_pids("StorageNodeActor")
     assert len(pids) == 12, f"expected 12 storage node processes, found {len(pids)}"
     for pid in pids[:2]:
         os.kill(pid, signal.SIGKILL)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,6 +29,7 @@ from vllm_harness import (  # noqa: E402
     HYBRID_EXPECTED,
     HYBRID_PROMPTS,
     PROMPTS,
+    actor_pids,
     assert_same_outputs,
     damage_prompts,
     hits,
@@ -127,19 +127,10 @@ def test_blocks_damaged_beyond_repair_are_recomputed_and_the_output_still_matche
     assert b["worker"]["loads_failed"] == 2 and b["worker"]["blocks_loaded"] == 0
 
 
-def swa_store_pids() -> list[int]:
-    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [
-        int(line.split()[0])
-        for line in listing.splitlines()
-        if line.split()[1:2] == ["ray::SWAStoreActor"]
-    ]
-
-
 def test_with_the_swa_stores_memory_lost_hits_fall_back_and_the_output_still_matches(
     tiny_gemma, running_tier, hybrid_oracle, tmp_path
 ) -> None:
-    pids = swa_store_pids()
+    pids = actor_pids("SWAStoreActor")
     assert pids, "no SWA store process found"
     with KVStoreClient(running_tier.address) as client:
         before = client.stats().classes

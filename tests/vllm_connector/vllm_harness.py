@@ -11,6 +11,7 @@ it the test modules skip themselves.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +178,17 @@ def damage_prompts(tier: TierProcess, engine: dict, prompts: list[list[int]]) ->
 
 def hits(result: dict) -> list[int]:
     return [r["num_cached_tokens"] for r in result["results"]]
+
+
+def actor_pids(actor_class: str) -> list[int]:
+    """The processes of the tier's Ray actors of ``actor_class``, by process title. Ray titles
+    an idle actor ``ray::Class`` and one running a method ``ray::Class.method``: a storage
+    node in the middle of a scrub or a heartbeat is still a storage node."""
+    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    pids = []
+    for line in listing.splitlines():
+        pid, _, title = line.strip().partition(" ")
+        name = title.split(" ", 1)[0]
+        if name == f"ray::{actor_class}" or name.startswith(f"ray::{actor_class}."):
+            pids.append(int(pid))
+    return pids
