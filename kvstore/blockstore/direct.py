@@ -179,7 +179,7 @@ class _Read:
     def part(self, node: int) -> bytes:
         encoded = self.parts.get(node)
         if encoded is None:
-            encoded = self.parts[node] = self.capability.for_node(node).encode()
+            encoded = self.parts[node] = self.capability.node_part(node)
         return encoded
 
 
@@ -670,20 +670,19 @@ def _sums_hold(
 def _asks(placements: np.ndarray, rows: np.ndarray | None = None) -> dict[int, Items]:
     """Node -> the (block, stripe index) it holds of ``placements`` (its rows are the blocks
     ``rows``, default 0..), block by block."""
-    n, width = placements.shape
-    blocks = np.repeat(np.arange(n) if rows is None else rows, width)
-    indices = np.tile(np.arange(width), n)
-    nodes = placements.ravel()
-    held = nodes >= 0
-    nodes, blocks, indices = nodes[held], blocks[held], indices[held]
-    order = np.argsort(nodes, kind="stable")
-    nodes, blocks, indices = nodes[order], blocks[order], indices[order]
-    found, first = np.unique(nodes, return_index=True)
-    ends = [*first[1:].tolist(), len(nodes)][: len(found)]  # none held: none
-    return {
-        int(node): (blocks[a:b], indices[a:b])
-        for node, a, b in zip(found.tolist(), first.tolist(), ends, strict=True)
-    }
+    width = placements.shape[1]
+    flat = placements.ravel()
+    order = np.argsort(flat, kind="stable")  # by node, block by block within each
+    nodes = flat[order]
+    held = int(np.searchsorted(nodes, 0))  # no node (-1) sorts first
+    order, nodes = order[held:], nodes[held:]
+    blocks, indices = np.divmod(order, width)
+    if rows is not None:
+        blocks = rows[blocks]
+    cuts = (np.flatnonzero(nodes[1:] != nodes[:-1]) + 1).tolist()
+    firsts = [0, *cuts] if len(nodes) else []  # none held: none
+    ends = [*cuts, len(nodes)]
+    return {int(nodes[a]): (blocks[a:b], indices[a:b]) for a, b in zip(firsts, ends, strict=False)}
 
 
 def _request(part: bytes, keys: bytes, count: int) -> bytes:

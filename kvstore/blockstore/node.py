@@ -500,11 +500,9 @@ class StorageNode:
         row_of = self._committed.get
         rows = np.array([row_of(key, -1) for key in keys], np.int64)
         held = rows >= 0
-        at = rows[held]
-        places = np.empty((len(at), 3), np.int64)
-        places[:, 0] = self._index.column("seg")[at]
-        places[:, 1] = self._index.column("offset")[at] + RECORD_BYTES
-        places[:, 2] = self._index.column("body_len")[at]
+        at = rows if len(keys) and rows.min() >= 0 else rows[held]  # usually all held
+        places = self._index.places(at)
+        places[:, 1] += RECORD_BYTES
         readers: dict[int, int] = {}
         try:
             for seq in sorted(set(places[:, 0].tolist())):  # a few: np.unique costs more

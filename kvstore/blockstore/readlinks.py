@@ -250,6 +250,9 @@ class Connection:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        #: Whether the socket may be out of blocking mode (a timeout set, or polled): the
+        #: exchange puts it back at its end. A request that leaves at once touches no mode.
+        self.timed = True
 
     @classmethod
     def dial(cls, endpoint: ReadEndpoint, tls: ClientTLS | None, deadline: float) -> Connection:
@@ -274,10 +277,18 @@ class Connection:
         if left <= 0:
             raise TimeoutError("engine reads: the node took too long")
         self.sock.settimeout(left)
+        self.timed = True
 
     def send(self, data: bytes, deadline: float) -> None:
-        self._until(deadline)
-        self.sock.sendall(data)
+        sent = 0
+        if not isinstance(self.sock, ssl.SSLSocket):  # TLS takes no flags
+            try:  # a request fits the socket's buffer: no timeout to set and unset
+                sent = self.sock.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+        if sent < len(data):
+            self._until(deadline)
+            self.sock.sendall(memoryview(data)[sent:])
 
     def close(self) -> None:
         self.sock.close()
@@ -519,6 +530,7 @@ class NodeLinks:
 
         def listen(reply: _Reply) -> None:
             reply.conn.sock.setblocking(False)
+            reply.conn.timed = True
             fd = reply.conn.sock.fileno()
             listening[fd] = reply
             poller.register(fd, select.POLLIN)
@@ -587,7 +599,9 @@ class NodeLinks:
                     forget(reply)
                 keep_pace()
         for conn in self._conns.values():
-            conn.sock.setblocking(True)
+            if conn.timed:
+                conn.sock.setblocking(True)
+                conn.timed = False
         return landed
 
     def _take_usual(

@@ -332,34 +332,35 @@ class EngineReadServer:
             self._count(**{f"refused_{refused.reason}": count, "requests_refused": 1})
             refusals = np.full(count, proto.STATUS[refused.reason], np.uint8)
             return _Reply(_parts(refusals, np.zeros(count, np.uint32), 0, refused)), False
-        statuses = np.full(count, proto.STATUS[CapabilityRefused.OTHER_SHARD], np.uint8)
         if grant.key_set.issuperset(keys):  # the usual request: one pass in C
-            allowed = list(range(count))
-        else:
-            allowed = [i for i, key in enumerate(keys) if key in grant.key_set]
-        if len(allowed) < count:
-            self._count(refused_other_shard=count - len(allowed))
-        return self._read(keys, allowed, statuses), True
+            return self._read(keys, None), True
+        allowed = [i for i, key in enumerate(keys) if key in grant.key_set]
+        self._count(refused_other_shard=count - len(allowed))
+        return self._read(keys, allowed), True
 
-    def _read(self, keys: list[bytes], allowed: list[int], statuses: np.ndarray) -> _Reply:
-        """The reply serving the ``allowed`` positions of ``keys``: sent from the segment
-        files where the socket is plain, else read into one buffer."""
-        lengths = np.zeros(len(keys), np.uint32)
-        if not allowed:
-            return _Reply(_parts(statuses, lengths, 0, None))
-        wanted = [keys[i] for i in allowed]
+    def _read(self, keys: list[bytes], allowed: list[int] | None) -> _Reply:
+        """The reply serving the ``allowed`` positions of ``keys`` (None: all of them), the
+        others refused as another shard's: sent from the segment files where the socket is
+        plain, else read into one buffer."""
+        statuses = np.zeros(len(keys), np.uint8)  # OK
+        wanted = keys
+        if allowed is not None:
+            statuses[:] = proto.STATUS[CapabilityRefused.OTHER_SHARD]
+            if not allowed:
+                return _Reply(_parts(statuses, np.zeros(len(keys), np.uint32), 0, None))
+            wanted = [keys[i] for i in allowed]
         if self._tls is None:  # TLS cannot sendfile: its bytes are encrypted in this process
             with self._lock:
                 found = self._source.shard_extents(wanted)
             if found is not None:
-                return self._from_files(allowed, statuses, lengths, *found)
-        return self._from_buffer(wanted, allowed, statuses, lengths)
+                return self._from_files(allowed, statuses, *found)
+        lengths = np.zeros(len(keys), np.uint32)
+        return self._from_buffer(wanted, allowed or list(range(len(keys))), statuses, lengths)
 
     def _from_files(
         self,
-        allowed: list[int],
+        allowed: list[int] | None,
         statuses: np.ndarray,
-        lengths: np.ndarray,
         held: np.ndarray,
         places: np.ndarray,
         readers: dict[int, int],
@@ -367,31 +368,37 @@ class EngineReadServer:
         """The reply sending each held shard (``places``: segment, offset, bytes) as its
         whole record (the header before it is the reply's prefix, ``readproto``), records
         that lie end to end in one send each."""
-        positions = np.asarray(allowed, np.int64)
-        if held.all():  # the usual reply
-            served = positions
+        seqs, offsets, sizes = places.T
+        if allowed is None and len(places) == len(statuses):  # the usual reply: all served
+            lengths = sizes.astype("<u4")
         else:
+            positions = np.arange(len(statuses)) if allowed is None else np.asarray(allowed)
             served = positions[held]
             statuses[positions] = proto.MISSING
-        statuses[served] = proto.OK
-        seqs, offsets, sizes = places.T
-        lengths[served] = sizes
+            statuses[served] = proto.OK
+            lengths = np.zeros(len(statuses), "<u4")
+            lengths[served] = sizes
+        total = int(sizes.sum()) + RECORD_BYTES * len(places)
         starts = offsets - RECORD_BYTES
         ends = offsets + sizes
-        total = int(sizes.sum()) + RECORD_BYTES * len(places)
-        # A run of records ends where the next lies in another segment or not right after it.
-        cuts = np.flatnonzero((seqs[1:] != seqs[:-1]) | (starts[1:] != ends[:-1]))
-        first = [0, *(cuts + 1).tolist()] if len(places) else []
-        last = [*cuts.tolist(), len(places) - 1] if len(places) else []
-        sends = [
-            (readers[seq], start, end - start)
-            for seq, start, end in zip(
-                seqs[first].tolist(), starts[first].tolist(), ends[last].tolist(), strict=True
-            )
-        ]
+        if len(places) and (seqs == seqs[0]).all() and (starts[1:] == ends[:-1]).all():
+            # The usual layout: a put batch's records, end to end in one segment.
+            sends = [(readers[int(seqs[0])], int(starts[0]), int(ends[-1] - starts[0]))]
+        else:
+            # A run of records ends where the next lies in another segment or not right
+            # after it.
+            cuts = np.flatnonzero((seqs[1:] != seqs[:-1]) | (starts[1:] != ends[:-1]))
+            first = [0, *(cuts + 1).tolist()] if len(places) else []
+            last = [*cuts.tolist(), len(places) - 1] if len(places) else []
+            sends = [
+                (readers[seq], start, end - start)
+                for seq, start, end in zip(
+                    seqs[first].tolist(), starts[first].tolist(), ends[last].tolist(), strict=True
+                )
+            ]
         self._count(
             served=len(places),
-            missing=len(allowed) - len(places),
+            missing=len(held) - len(places),
             bytes_sent=total,
             sends=len(sends),
         )

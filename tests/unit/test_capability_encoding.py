@@ -69,6 +69,15 @@ def test_one_nodes_part_verifies_there_and_nowhere_else() -> None:
     assert refused.value.reason == CapabilityRefused.OTHER_SHARD
 
 
+def test_a_nodes_part_is_made_byte_for_byte_as_its_capabilitys_encoding() -> None:
+    # What an engine sends each node (``node_part``) must be the part a node decodes and
+    # proves: the canonical encoding of ``for_node``, for a node with a part and one without.
+    capability = _small()
+    for node_id in (0, 3, 5):
+        assert capability.node_part(node_id) == capability.for_node(node_id).encode()
+    assert ReadCapability.decode(capability.node_part(5)).grants == {}
+
+
 def test_changing_any_byte_lets_nothing_new_be_read() -> None:
     data = _small().encode()
     original = _pairs(ReadCapability.decode(data))

@@ -673,3 +673,27 @@ def test_reachable_names_the_nodes_this_process_can_dial(tier: ReadNodes) -> Non
     found = DirectReader(endpoints, 10, 2).reachable(timeout_s=0.5)
     assert found == set(range(12)) - {5}
     assert time.monotonic() - started < 2.0
+
+
+def test_a_request_larger_than_the_socket_takes_goes_whole_and_in_order() -> None:
+    """A request is sent without a timeout while it fits the socket's buffer; the rest of one
+    that does not waits for the node to take it, bounded by the read's deadline."""
+    mine, node = socket.socketpair()
+    mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    data = os.urandom(1 << 20)
+    got = bytearray()
+
+    def slow_node() -> None:
+        while len(got) < len(data):
+            time.sleep(0.001)
+            got.extend(node.recv(65536))
+
+    taker = threading.Thread(target=slow_node, daemon=True)
+    taker.start()
+    readlinks.Connection(mine).send(data, time.monotonic() + 30)
+    taker.join(30)
+    assert bytes(got) == data
+    with pytest.raises(TimeoutError):  # nobody takes the rest: the deadline ends the send
+        readlinks.Connection(mine).send(data, time.monotonic() + 0.2)
+    mine.close()
+    node.close()
