@@ -27,14 +27,15 @@ What makes it safe to listen, as for the fastcall socket (``kvstore.fastcall.ser
   shard. A sendfile reply holds no reply bytes in the process.
 
 The reply goes out with as few copies and calls as the socket allows. On a plain socket each shard
-is sent as its whole record, straight from its segment file (``os.sendfile``: page cache to socket,
+is sent as its whole record, straight from its segment file (``sendfile``: page cache to socket,
 never through this process), records that lie end to end (a put batch's) in one call, the reply's
-head sent with ``MSG_MORE`` so that it leaves with them; the record header before each shard is the
-reply's prefix (``readproto``). Places are found in the node's index under the actor's lock and the
-segment's descriptor duplicated, so the send runs without the lock (the log is only appended to,
-and a duplicated descriptor keeps a compacted segment readable). Under TLS, which encrypts in this
-process, the node reads the served shards end to end into one buffer (``StorageNode.get``: one
-``preadv`` each, under the lock), sent with the status table in one frame, with no prefix.
+head sent with ``MSG_MORE`` so that it leaves with them: one C call (``_sendrecords.c``), the GIL
+released; the record header before each shard is the reply's prefix (``readproto``). Places are
+found in the node's index under the actor's lock and the segment's descriptor duplicated, so the
+send runs without the lock (the log is only appended to, and a duplicated descriptor keeps a
+compacted segment readable). Under TLS, which encrypts in this process, or without the C
+extension, the node reads the served shards end to end into one buffer (``StorageNode.get``:
+one ``preadv`` each, under the lock), sent with the status table in one frame, with no prefix.
 Revocations come through the actor (Ray), never through this socket.
 """
 
@@ -48,6 +49,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
@@ -69,6 +71,12 @@ from kvstore.fastcall.frames import IO_TIMEOUT_S, FastConnection
 from kvstore.fastcall.server import UNAUTHENTICATED_S
 from kvstore.fastcall.tls import FastcallConfig, ServerTLS, check_plaintext, tls_handshake
 
+_sendrecords: ModuleType | None
+try:
+    from kvstore.blockstore import _sendrecords
+except ImportError:  # pragma: no cover - the CI machine builds it
+    _sendrecords = None
+
 log = logging.getLogger(__name__)
 
 #: Connections served at once (a thread each): engines keep one per node and fetcher process.
@@ -78,7 +86,6 @@ IDLE_S = 120.0
 #: Reply bytes held at once: a few of the largest replies.
 REPLY_BUDGET_BYTES = 256 << 20
 _BACKLOG = 1024
-_LENGTH = struct.Struct(">I")
 
 
 class ShardSource(Protocol):
@@ -96,13 +103,14 @@ class ShardSource(Protocol):
 @dataclass
 class _Reply:
     """One reply: ``parts`` (head, status table, lengths, and on the buffer path the shards'
-    buffer), then on the sendfile path ``extents`` (descriptor, offset, bytes) sent straight
-    from the segment files; ``readers``: descriptors to close once sent; ``reserved``: reply
-    bytes held of the budget until then."""
+    buffer), then on the sendfile path the records at ``places`` (segment, offset, bytes of
+    each served shard) sent straight from the segment files, read through ``readers``
+    (segment → descriptor, closed once sent); ``reserved``: reply bytes held of the budget
+    until then."""
 
     parts: list[Any]
-    extents: list[tuple[int, int, int]] = field(default_factory=list)
-    readers: list[int] = field(default_factory=list)
+    places: np.ndarray | None = None
+    readers: dict[int, int] = field(default_factory=dict)
     reserved: int = 0
 
 
@@ -272,8 +280,8 @@ class EngineReadServer:
                         return
                     reply, served = answer
                     deadline = time.monotonic() + IO_TIMEOUT_S
-                    if reply.extents:
-                        _send_extents(peer, reply, deadline)
+                    if reply.places is not None:
+                        self._count(sends=_send_records(peer, reply, deadline))
                     else:
                         conn.send_frame(reply.parts, deadline)
                 except (EOFError, OSError):  # gone, idle too long, or too slow
@@ -283,7 +291,7 @@ class EngineReadServer:
                     return
                 finally:
                     if reply is not None:
-                        for fd in reply.readers:
+                        for fd in reply.readers.values():
                             os.close(fd)
                         if reply.reserved:
                             self._budget.give(reply.reserved)
@@ -349,7 +357,8 @@ class EngineReadServer:
             if not allowed:
                 return _Reply(_parts(statuses, np.zeros(len(keys), np.uint32), 0, None))
             wanted = [keys[i] for i in allowed]
-        if self._tls is None:  # TLS cannot sendfile: its bytes are encrypted in this process
+        # TLS cannot sendfile: its bytes are encrypted in this process.
+        if self._tls is None and _sendrecords is not None:
             with self._lock:
                 found = self._source.shard_extents(wanted)
             if found is not None:
@@ -366,9 +375,9 @@ class EngineReadServer:
         readers: dict[int, int],
     ) -> _Reply:
         """The reply sending each held shard (``places``: segment, offset, bytes) as its
-        whole record (the header before it is the reply's prefix, ``readproto``), records
-        that lie end to end in one send each."""
-        seqs, offsets, sizes = places.T
+        whole record (the header before it is the reply's prefix, ``readproto``), once the
+        node's lock is let go (``_send_records``)."""
+        sizes = places[:, 2]
         if allowed is None and len(places) == len(statuses):  # the usual reply: all served
             lengths = sizes.astype("<u4")
         else:
@@ -379,31 +388,9 @@ class EngineReadServer:
             lengths = np.zeros(len(statuses), "<u4")
             lengths[served] = sizes
         total = int(sizes.sum()) + RECORD_BYTES * len(places)
-        starts = offsets - RECORD_BYTES
-        ends = offsets + sizes
-        if len(places) and (seqs == seqs[0]).all() and (starts[1:] == ends[:-1]).all():
-            # The usual layout: a put batch's records, end to end in one segment.
-            sends = [(readers[int(seqs[0])], int(starts[0]), int(ends[-1] - starts[0]))]
-        else:
-            # A run of records ends where the next lies in another segment or not right
-            # after it.
-            cuts = np.flatnonzero((seqs[1:] != seqs[:-1]) | (starts[1:] != ends[:-1]))
-            first = [0, *(cuts + 1).tolist()] if len(places) else []
-            last = [*cuts.tolist(), len(places) - 1] if len(places) else []
-            sends = [
-                (readers[seq], start, end - start)
-                for seq, start, end in zip(
-                    seqs[first].tolist(), starts[first].tolist(), ends[last].tolist(), strict=True
-                )
-            ]
-        self._count(
-            served=len(places),
-            missing=len(held) - len(places),
-            bytes_sent=total,
-            sends=len(sends),
-        )
+        self._count(served=len(places), missing=len(held) - len(places), bytes_sent=total)
         parts = _parts(statuses, lengths, total, None, RECORD_BYTES)
-        return _Reply(parts, sends, list(readers.values()))
+        return _Reply(parts, places, readers)
 
     def _from_buffer(
         self, wanted: list[bytes], allowed: list[int], statuses: np.ndarray, lengths: np.ndarray
@@ -469,25 +456,22 @@ def _parts(
     return [head, table, lengths.astype("<u4", copy=False)]
 
 
-def _send_extents(sock: socket.socket, reply: _Reply, deadline: float) -> None:
-    """Send ``reply`` as one frame: its parts, then each extent straight from its segment
-    file (``os.sendfile``: the bytes go from the page cache to the socket, never through this
-    process). Each blocking send is bounded by the socket's SO_SNDTIMEO, the whole by
-    ``deadline``; a file shorter than its index says breaks the frame: ``EOFError`` (the
-    peer is dropped and reads elsewhere)."""
-    head = b"".join(bytes(memoryview(part).cast("B")) for part in reply.parts)
-    total = len(head) + sum(length for _, _, length in reply.extents)
+def _send_records(sock: socket.socket, reply: _Reply, deadline: float) -> int:
+    """Send ``reply`` as one frame: its parts, then each served shard's record straight from
+    its segment file, records end to end in one ``sendfile`` (``_sendrecords``); the sends it
+    took. Each blocking send is bounded by the socket's SO_SNDTIMEO, the whole by ``deadline``;
+    a file shorter than its index says breaks the frame: ``EOFError`` (the peer is dropped and
+    reads elsewhere)."""
+    assert _sendrecords is not None and reply.places is not None
     if sock.gettimeout() is not None:
         sock.settimeout(None)  # blocking: SO_SNDTIMEO bounds each wait
-    # MSG_MORE: the head waits for the records' bytes and leaves in a full segment with them.
-    sock.sendall(_LENGTH.pack(total) + head, socket.MSG_MORE)
-    out = sock.fileno()
-    for fd, offset, length in reply.extents:
-        while length:
-            if time.monotonic() > deadline:
-                raise TimeoutError("engine reads: the peer took too long")
-            sent = os.sendfile(out, fd, offset, length)
-            if not sent:
-                raise EOFError("engine reads: a segment file is shorter than its index says")
-            offset += sent
-            length -= sent
+    readers = reply.readers
+    return _sendrecords.send_records(
+        sock.fileno(),
+        tuple(reply.parts),
+        reply.places,
+        np.fromiter(readers.keys(), np.int64, len(readers)),
+        np.fromiter(readers.values(), np.int64, len(readers)),
+        RECORD_BYTES,
+        deadline,
+    )
