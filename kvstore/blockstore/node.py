@@ -6,6 +6,8 @@ Disk layout under ``data_dir``::
     LOCK                 held (``flock``) by the one process serving the dir (``dirlock.py``)
     DRAINING             present while the node is draining (``set_draining``): it takes no new
                          shards; a restarted node is still draining
+    REVOKED              released leases whose read capabilities the node still refuses
+                         (``revokedfile.py``, kept by the node's actor)
     segments/<seq>.seg   the log (``segments.py`` owns the format): shard records, commit marks,
                          delete marks, appended; sealed segments end in a footer
 
@@ -185,6 +187,12 @@ class StorageNode:
         )
         #: How long reading the log took at start (a restart's share that is the node's own).
         self._replay_s = time.monotonic() - started
+
+    @property
+    def root(self) -> PrivateDir:
+        """The node's data dir (held by it), for what the node's process keeps beside the log
+        (``revokedfile``)."""
+        return self._root
 
     # --- start-up --------------------------------------------------------------------------
 
@@ -492,7 +500,7 @@ class StorageNode:
         for the held ones, in order, a row (segment, offset of its codec shard, bytes) of an
         int64 array; and a new read descriptor of each segment named (``SegmentLog.reader``),
         the caller's to close. For sending the bytes straight from the segment files
-        (``readserver``, ``os.sendfile``) once the node's lock is let go: a record's bytes
+        (``readserver``, ``sendfile``) once the node's lock is let go: a record's bytes
         never change (the log is only appended to), and a descriptor keeps its segment
         readable even if compaction removes it meanwhile. None where a segment has no
         descriptor (the log in memory): use ``get``."""

@@ -41,6 +41,7 @@ from kvstore.blockstore.placement import meta_shard_of
 from kvstore.blockstore.readserver import EngineReadServer
 from kvstore.blockstore.repair import HealthTracker, Repairer
 from kvstore.blockstore.repairloop import RepairLoop
+from kvstore.blockstore.revokedfile import RevokedFile
 from kvstore.errors import StoreError
 from kvstore.fastcall.server import FastCallServer
 from kvstore.fastcall.tls import tls_env_options
@@ -172,7 +173,12 @@ class StorageNodeActor:
         # Engines read their leases' shards here with a read capability, never the key above
         # (``kvstore.blockstore.readserver``); same data-plane setting, a port of its own.
         self._read_key = read_key if read_key is not None else os.urandom(READ_KEY_BYTES)
+        # The released leases this node was told of survive its restart (``revokedfile``).
+        now = time.time()
         self._revoked = Revocations()
+        self._revoked_file = RevokedFile(self._node.root, now)
+        for lease_ids, until in self._revoked_file.batches:
+            self._revoked.revoke(lease_ids, until, now)
         self._reads = EngineReadServer.from_env(
             node_id,
             self._read_key,
@@ -223,7 +229,16 @@ class StorageNodeActor:
     def revoke(self, lease_ids: Sequence[str], until: float) -> int:
         """Stop honouring the capabilities of ``lease_ids`` (released leases) until
         ``until``; returns the ids remembered. The tier calls it when a lease is released."""
-        return self._revoked.revoke([str(i) for i in lease_ids], float(until), time.time())
+        ids, end, now = [str(i) for i in lease_ids], float(until), time.time()
+        remembered = self._revoked.revoke(ids, end, now)
+        if end > now:
+            try:
+                self._revoked_file.append(ids, end, now)
+            except OSError:  # refused here all the same; a restart would forget them
+                log.exception(
+                    "node %d: keeping %d revocations on disk failed", self._node.node_id, len(ids)
+                )
+        return remembered
 
     def incarnation(self) -> str:
         """Differs after every (re)start of the actor."""

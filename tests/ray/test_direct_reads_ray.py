@@ -101,7 +101,8 @@ def test_a_restarted_node_serves_direct_reads_under_the_same_key(
     handles: BlockStoreHandles,
 ) -> None:
     """Ray restarts a crashed node with its arguments, the read key among them: it serves
-    capabilities minted before its crash, on its new port."""
+    capabilities minted before its crash, on its new port, and still refuses those of the
+    leases released before it (``revokedfile``)."""
     client = handles.client()
     keys = [os.urandom(32) for _ in range(6)]
     payloads = [np.full(SIZE, i, np.uint8) for i in range(len(keys))]
@@ -109,6 +110,10 @@ def test_a_restarted_node_serves_direct_reads_under_the_same_key(
     found = client.lookup(keys)
     assert found.lease is not None
     capability = mint_for_lease(handles.read_key(), found.lease, "alice")
+    released = client.lookup(keys)
+    assert released.lease is not None
+    released_capability = mint_for_lease(handles.read_key(), released.lease, "alice")
+    assert handles.revoke([released.lease.lease_id], released.lease.until) == 12
     before = handles.read_endpoints()[3]
     incarnation = ray.get(handles.nodes[3].incarnation.remote(), timeout=30)
     handles.kill_node(3, restart=True)
@@ -129,4 +134,12 @@ def test_a_restarted_node_serves_direct_reads_under_the_same_key(
     assert reader.counters["fast_blocks"] == len(keys)  # node 3's data shards included
     for b, payload in enumerate(payloads):
         assert np.array_equal(out[b * SIZE : (b + 1) * SIZE], payload)
+    # The released lease's capability reads nothing, the restarted node 3 refusing it too.
+    out[:] = 0
+    misses = reader.read_into(released_capability, list(released.lease.blocks), out)
+    assert misses == [False] * len(keys)
+    assert not out.any()
+    node_3 = ray.get(handles.nodes[3].stats.remote(), timeout=30)["engine_reads"]
+    assert node_3["revoked"] >= 1 and node_3.get("refused_revoked", 0) > 0, node_3
     client.release(found.lease)
+    client.release(released.lease)

@@ -20,6 +20,7 @@ import pytest
 
 from kvstore.blockstore.config import StorageNodeConfig
 from kvstore.blockstore.node import StorageNode
+from kvstore.blockstore.revokedfile import RevokedFile
 from kvstore.ec import Codec
 from kvstore.engine.staging import StagingArea
 from kvstore.errors import ConfigError
@@ -70,8 +71,11 @@ def test_node_dirs_are_0700_and_its_files_0600_under_umask_022(
     node = StorageNode(0, root / "node-0", StorageNodeConfig(fsync="always"))
     assert _put(node, 1) == [True] and node.commit(TOKEN, [_key(1)]) == [True]
     assert _put(node, 2) == [True]  # stays pending
+    revoked = RevokedFile(node.root, 1_700_000_000.0)  # what the node's actor keeps beside
+    revoked.append(["lease-1"], 1_700_000_030.0, 1_700_000_000.0)
+    revoked.close()
     modes = _modes(root / "node-0")
-    for name in ("segments", "NODE", "LOCK"):
+    for name in ("segments", "NODE", "LOCK", "REVOKED"):
         assert name in modes, sorted(modes)
     assert any(name.startswith("segments/") for name in modes)
     for name, mode in modes.items():
