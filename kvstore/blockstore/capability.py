@@ -147,14 +147,8 @@ class ReadCapability:
     def node_part(self, node_id: int) -> bytes:
         """``for_node(node_id).encode()``, made without the intermediate capability: the
         bytes an engine sends that node with every request of a read."""
-        lease, tenant = self.lease_id.encode(), self.tenant.encode()
         grant = self.grants.get(node_id)
-        if grant is None:
-            return _HEAD.pack(MAGIC, self.expires, len(lease), len(tenant), 0) + lease + tenant
-        head = _HEAD.pack(MAGIC, self.expires, len(lease), len(tenant), 1)
-        return b"".join(
-            [head, lease, tenant, _GRANT.pack(node_id, len(grant.keys)), *grant.keys, grant.mac]
-        )
+        return self._encoded([] if grant is None else [(node_id, grant)])
 
     def keys_for(self, node_id: int) -> tuple[bytes, ...]:
         grant = self.grants.get(node_id)
@@ -166,11 +160,14 @@ class ReadCapability:
 
     def encode(self) -> bytes:
         """The canonical bytes (``decode`` gives it back; a re-encoding is byte for byte)."""
+        return self._encoded(sorted(self.grants.items()))
+
+    def _encoded(self, grants: list[tuple[int, NodeGrant]]) -> bytes:
+        """The bytes of this capability with ``grants`` (sorted by node) as its node parts."""
         lease, tenant = self.lease_id.encode(), self.tenant.encode()
-        parts = [_HEAD.pack(MAGIC, self.expires, len(lease), len(tenant), len(self.grants))]
+        parts = [_HEAD.pack(MAGIC, self.expires, len(lease), len(tenant), len(grants))]
         parts += [lease, tenant]
-        for node_id in sorted(self.grants):
-            grant = self.grants[node_id]
+        for node_id, grant in grants:
             parts.append(_GRANT.pack(node_id, len(grant.keys)))
             parts.extend(grant.keys)
             parts.append(grant.mac)

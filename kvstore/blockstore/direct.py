@@ -679,10 +679,13 @@ def _asks(placements: np.ndarray, rows: np.ndarray | None = None) -> dict[int, I
     blocks, indices = np.divmod(order, width)
     if rows is not None:
         blocks = rows[blocks]
+    if not len(nodes):  # none held: none
+        return {}
     cuts = (np.flatnonzero(nodes[1:] != nodes[:-1]) + 1).tolist()
-    firsts = [0, *cuts] if len(nodes) else []  # none held: none
-    ends = [*cuts, len(nodes)]
-    return {int(nodes[a]): (blocks[a:b], indices[a:b]) for a, b in zip(firsts, ends, strict=False)}
+    return {
+        int(nodes[a]): (blocks[a:b], indices[a:b])
+        for a, b in zip([0, *cuts], [*cuts, len(nodes)], strict=True)
+    }
 
 
 def _request(part: bytes, keys: bytes, count: int) -> bytes:

@@ -508,7 +508,7 @@ class StorageNode:
         row_of = self._committed.get
         rows = np.array([row_of(key, -1) for key in keys], np.int64)
         held = rows >= 0
-        at = rows if len(keys) and rows.min() >= 0 else rows[held]  # usually all held
+        at = rows[held]
         places = self._index.places(at)
         places[:, 1] += RECORD_BYTES
         readers: dict[int, int] = {}
