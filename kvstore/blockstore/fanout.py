@@ -74,9 +74,9 @@ class Fanout(Protocol):
         *args: P.args,
         **kwargs: P.kwargs,
     ) -> Ticket[R]:
-        """Start ``method(*args, **kwargs)`` on ``target``. A call may go out only when it is
-        first waited for (``RayFanout``: one that must dial a new socket), so wait for every
-        call of a fast method."""
+        """Start ``method(*args, **kwargs)`` on ``target``. Never blocks on a dial
+        (``RayFanout`` dials a new socket in the background). Wait for every call, or cancel
+        it: its reply, or its dial, holds a connection until then."""
         ...
 
     def wait(self, tickets: Collection[T], timeout: float, all_of: bool = False) -> list[T]:

@@ -4,7 +4,9 @@
 TLS around the socket when the setting has it, and answers the key challenge
 (``kvstore.fastcall.handshake``), all within one bound. A ``FastChannel`` keeps a pool of such
 connections to one actor, one per call in flight: ``start`` sends a call, ``frames.wait_ready``
-tells when its reply is in, ``finish`` reads it and puts the connection back.
+tells when its reply is in, ``finish`` reads it and puts the connection back. A caller that
+must not block on a dial has its call sent over a free connection or dialed in the background
+(``send_or_dial``; a ``Dialing`` is watched by ``wait_ready`` like a connection).
 
 Finding the endpoint is not this package's: ``kvstore.runtime.endpoints`` asks the actor through
 Ray (``FastChannels``).
@@ -12,6 +14,7 @@ Ray (``FastChannels``).
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import threading
@@ -29,7 +32,7 @@ from kvstore.fastcall.frames import (
 )
 from kvstore.fastcall.handshake import HANDSHAKE_TIMEOUT_S, Endpoint
 from kvstore.fastcall.tls import ClientTLS, client_context, tls_handshake
-from kvstore.wire import MAX_FRAME_BYTES, WireError
+from kvstore.wire import MAX_FRAME_BYTES, Buffer, WireError
 
 
 def connect(
@@ -94,25 +97,47 @@ class FastChannel:
     ) -> FastConnection:
         """Send a call; the returned connection becomes readable when its reply is in.
         Raises ``OSError``/``EOFError`` when the actor cannot be reached (``TimeoutError``
-        when a new connection is not set up, or the call not sent, within ``dial_timeout_s``:
-        a caller with a deadline passes what is left of it; a loaded actor may take a while to
-        answer, so a short fixed bound would make healthy dials fail), ``TypeError`` for an
-        argument the wire does not carry and ``WireError`` for a call over the frame limit
-        (both before any socket is used)."""
+        when a new connection is not set up, or the call not sent, within ``dial_timeout_s``,
+        at most the handshake's bound: a loaded actor may take a while to answer, so a short
+        fixed bound would make healthy dials fail), ``TypeError`` for an argument the wire does
+        not carry and ``WireError`` for a call over the frame limit (both before any socket is
+        used)."""
+        return self._start(wire.encode((method, tuple(args)), self._frame_limit), dial_timeout_s)
+
+    def send_or_dial(
+        self, method: str, args: tuple[Any, ...], timeout_s: float = HANDSHAKE_TIMEOUT_S
+    ) -> FastConnection | Dialing:
+        """``start`` for a caller who must not block on a dial: sent over a free connection
+        (returned), else on a new one dialed in a thread of its own (the ``Dialing``). The
+        wire's errors are raised here, before any socket is used."""
         parts = wire.encode((method, tuple(args)), self._frame_limit)
-        with self._lock:
-            conn = self._free.pop() if self._free else None
+        conn = self._free_connection()
+        if conn is None:
+            return Dialing(self, parts)
+        self._send(conn, parts, timeout_s)
+        return conn
+
+    def _start(self, parts: list[Buffer], dial_timeout_s: float) -> FastConnection:
+        conn = self._free_connection()
         if conn is None:
             timeout = max(0.001, min(dial_timeout_s, HANDSHAKE_TIMEOUT_S))
             conn = connect(self.endpoint, timeout, self._tls, self._frame_limit)
+        self._send(conn, parts, dial_timeout_s)
+        return conn
+
+    def _free_connection(self) -> FastConnection | None:
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    @staticmethod
+    def _send(conn: FastConnection, parts: list[Buffer], timeout_s: float) -> None:
         try:
             # Bounded: a batch of shards is more than the socket buffers hold, and a frozen
             # actor would otherwise keep the sender here for good.
-            conn.send_frame(parts, time.monotonic() + max(0.001, dial_timeout_s))
+            conn.send_frame(parts, time.monotonic() + max(0.001, timeout_s))
         except BaseException:
             conn.close()
             raise
-        return conn
 
     def finish(self, conn: FastConnection) -> Any:
         """The reply of the call sent on ``conn`` (ready: see ``wait_ready``); ``conn`` is
@@ -141,3 +166,81 @@ class FastChannel:
             free, self._free = self._free, []
         for conn in free:
             conn.close()
+
+
+class Dialing:
+    """A call being sent on a new connection, dialed in a thread of its own
+    (``FastChannel.send_or_dial``). A dial to an actor that does not answer (its host cut off,
+    or a lingering worker whose kernel accepts for nobody) takes the handshake's whole bound;
+    done in the caller's thread it held up every call the caller had still to send and every
+    reply it was waiting for, and a read missed blocks it could have decoded.
+
+    ``fileno`` becomes readable when the dial is over; ``take`` then gives the connection the
+    reply will come on, or what stopped the call (``start``'s errors). A caller that gives up
+    ``abandon``s it: the connection, whenever it comes, is closed unread."""
+
+    def __init__(self, channel: FastChannel, parts: list[Buffer]) -> None:
+        self._lock = threading.Lock()
+        self._outcome: FastConnection | Exception | None = None
+        self._abandoned = False
+        self._taken = True  # until the eventfd is open there is nothing to close
+        self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._taken = False
+        threading.Thread(
+            target=self._run, args=(channel, parts), name="fastcall-dial", daemon=True
+        ).start()
+
+    def _run(self, channel: FastChannel, parts: list[Buffer]) -> None:
+        outcome: FastConnection | Exception
+        try:
+            outcome = channel._start(parts, HANDSHAKE_TIMEOUT_S)
+        except Exception as error:  # the caller sorts it out, as if ``start`` had raised
+            outcome = error
+        with self._lock:
+            if not self._abandoned:
+                self._outcome = outcome
+                os.eventfd_write(self._wake, 1)
+                return
+        _close(outcome)
+        os.close(self._wake)
+
+    def fileno(self) -> int:
+        return self._wake
+
+    def pending(self) -> bool:
+        """Nothing buffered to read (what ``frames.wait_ready`` asks of a connection)."""
+        return False
+
+    def finished(self) -> bool:
+        with self._lock:
+            return self._outcome is not None
+
+    def take(self) -> FastConnection | Exception:
+        """The dial's outcome (``finished`` must be true); the caller owns the connection."""
+        with self._lock:
+            outcome, self._outcome = self._outcome, None
+            if outcome is None:
+                raise RuntimeError("fastcall: a dial taken before it finished")
+            self._taken = True
+        os.close(self._wake)
+        return outcome
+
+    def abandon(self) -> None:
+        """The caller gave up: close what the dial made, now or when it is over."""
+        with self._lock:
+            if self._taken or self._abandoned:
+                return
+            self._abandoned = True
+            outcome, self._outcome = self._outcome, None
+            if outcome is None:
+                return  # still dialing: its thread closes what it makes
+        _close(outcome)
+        os.close(self._wake)
+
+    def __del__(self) -> None:
+        self.abandon()  # a dial nobody took or abandoned (its thread is over: it held ``self``)
+
+
+def _close(outcome: FastConnection | Exception) -> None:
+    if isinstance(outcome, FastConnection):
+        outcome.close()

@@ -22,7 +22,7 @@ import ssl
 import struct
 import time
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from kvstore import wire
 from kvstore.wire import MAX_FRAME_BYTES, Buffer, WireError
@@ -211,8 +211,20 @@ def reply_of(frame: bytearray) -> tuple[bool, Any]:
     return reply[0], reply[1]
 
 
-def wait_ready(conns: Collection[FastConnection], timeout: float) -> list[FastConnection]:
-    """The connections of ``conns`` with a reply (or EOF) to read, waiting up to ``timeout``."""
+class Watched(Protocol):
+    """What ``wait_ready`` watches: a connection, or a dial in progress (``client.Dialing``)."""
+
+    def fileno(self) -> int: ...
+
+    def pending(self) -> bool: ...
+
+
+W = TypeVar("W", bound=Watched)
+
+
+def wait_ready(conns: Collection[W], timeout: float) -> list[W]:
+    """The connections of ``conns`` with a reply (or EOF) to read, or dials that are over,
+    waiting up to ``timeout``."""
     buffered = [conn for conn in conns if conn.pending()]  # TLS read ahead: the fd may be quiet
     by_fd = {conn.fileno(): conn for conn in conns if conn not in buffered}
     if not by_fd:

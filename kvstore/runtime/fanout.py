@@ -18,12 +18,14 @@ batch larger than the socket is for) goes through Ray. A removed machine's worke
 unresponsive (the kernel still accepts on its socket, nobody answers), so under one deadline:
 
 - calls over connections already open go out at ``submit``; a call that needs a new connection
-  is dialed when first waited for, after them, so dialing an unresponsive actor never holds up
-  the calls to the healthy ones (their replies are read after it);
-- a dial is bounded by what is left of the wait's timeout (the caller's deadline);
-- a call given up on (``cancel``: ``gather`` does it at its deadline) has its connection closed,
-  so its late reply is never read as another call's, and its endpoint forgotten: the next call
-  goes through Ray, which knows whether the actor is still there, and asks it for a new one;
+  is dialed in a thread of its own (``fastcall.client.Dialing``), so dialing an unresponsive
+  actor (a host cut off: its SYNs go unanswered for the handshake's whole bound) never holds up
+  the other calls of the caller, nor the reading of their replies: waiting watches a dial like
+  a connection;
+- a call given up on (``cancel``: ``gather`` does it at its deadline) has its connection closed
+  (or its dial abandoned), so its late reply is never read as another call's, and its endpoint
+  forgotten: the next call goes through Ray, which knows whether the actor is still there, and
+  asks it for a new one;
 - a connection that breaks (a restarted actor) is retried once through Ray, within the deadline;
 - an actor that answers the call itself failed (its method raised, or it was too busy to take
   the request: ``fastcall``'s in-flight budget) fails it as ``NodeUnavailable``, not retried.
@@ -47,7 +49,7 @@ from ray.exceptions import ActorDiedError, RayError
 
 from kvstore.blockstore.fanout import Target, Ticket
 from kvstore.errors import NodeDead, NodeDraining, NodeUnavailable
-from kvstore.fastcall.client import FastChannel
+from kvstore.fastcall.client import Dialing, FastChannel
 from kvstore.fastcall.frames import FastConnection, FrameTooLarge, RemoteError, wait_ready
 from kvstore.fastcall.handshake import HANDSHAKE_TIMEOUT_S
 from kvstore.fastcall.tls import tls_from_env
@@ -123,9 +125,7 @@ class RayFanout:
             self._send_via_ray(call, handle)
         else:
             call.channel = channel
-            if channel.idle():
-                self._send_fast(call, HANDSHAKE_TIMEOUT_S)
-            # else: dialed when first waited for (see the module doc)
+            self._start_fast(call)
         return call
 
     def wait(self, tickets: Collection[T], timeout: float, all_of: bool = False) -> list[T]:
@@ -133,10 +133,8 @@ class RayFanout:
         calls: list[_Call[Any]] = [ticket for ticket in tickets if isinstance(ticket, _Call)]
         if any(call.done for call in calls):
             deadline = time.monotonic()  # failed at submit or already read: report them now
-        else:
-            self._dial(calls, deadline)
         while True:
-            fast = [call for call in calls if call.conn is not None]
+            fast = [call for call in calls if call.conn is not None or call.dial is not None]
             slow = [call for call in calls if call.ref is not None and not call.done]
             # One kind in flight: block on it. Both (rare: a fallback during an actor
             # restart): poll each in turn.
@@ -157,13 +155,11 @@ class RayFanout:
         """Until every call is done or ``timeout`` passed, the waiting done by the running
         asyncio loop: a socket call's reply is read when the loop sees its connection readable,
         a Ray call's when its ``ObjectRef`` resolves (a socket that broke meanwhile has its call
-        retried through Ray, within the same deadline). A call still to dial (a new connection:
-        rare, bounded by the deadline) is dialed in a worker thread."""
+        retried through Ray, within the same deadline). A call being dialed is watched the same
+        way, then its reply."""
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + max(0.0, timeout)
         calls = [ticket for ticket in tickets if isinstance(ticket, _Call)]
-        if any(c.channel is not None and c.conn is None and not c.done for c in calls):
-            await loop.run_in_executor(None, self._dial, calls, deadline)
         while True:
             waits: list[asyncio.Future[Any]] = []
             readers: list[int] = []
@@ -171,9 +167,10 @@ class RayFanout:
             for call in calls:
                 if call.done:
                     continue
-                if call.conn is not None:
+                watched = call.conn if call.conn is not None else call.dial
+                if watched is not None:
                     done: asyncio.Future[None] = loop.create_future()
-                    fd = call.conn.fileno()
+                    fd = watched.fileno()
                     loop.add_reader(fd, self._readable, loop, fd, call, done)
                     readers.append(fd)
                     waits.append(done)
@@ -193,6 +190,9 @@ class RayFanout:
                     wait.cancel()  # not finished in time: ``gather`` cancels the call itself
             for call, future in refs:
                 call.ray_done = call.ray_done or future.done()
+            for call in calls:  # after the readers are gone: ``_dialed`` closes the dial's fd
+                if call.dial is not None and call.dial.finished():
+                    self._dialed(call)
             if all(call.done for call in calls) or time.monotonic() >= deadline:
                 return
 
@@ -202,6 +202,7 @@ class RayFanout:
         loop.remove_reader(fd)
         if call.conn is not None and call.conn.fileno() == fd:
             self._read(call)  # the reply is in: a plain read (or EOF) that does not block long
+        # (a dial that is over is taken once every reader is removed: see ``wait_all_async``)
         if not done.done():
             done.set_result(None)
 
@@ -210,6 +211,9 @@ class RayFanout:
             raise TypeError(f"not a RayFanout ticket: {ticket!r}")
         if ticket.outcome is None and ticket.ref is None:
             self.wait([ticket], _RESULT_WAIT_S)
+            if ticket.dial is not None:  # still dialing: nobody will take it now
+                ticket.dial.abandon()
+                ticket.dial = None
         if ticket.outcome is not None:
             ok, value = ticket.outcome
             if not ok:
@@ -236,45 +240,70 @@ class RayFanout:
         for call in tickets:
             if not isinstance(call, _Call) or call.channel is None:
                 continue  # a Ray call: its result is freed with the ticket
-            if call.conn is not None:
+            if call.conn is not None or call.dial is not None:
                 # Its late reply must never be read as another call's. And no answer in time:
                 # the endpoint may belong to a process that is going away.
-                call.conn.close()
-                call.conn = None
+                if call.conn is not None:
+                    call.conn.close()
+                    call.conn = None
+                if call.dial is not None:
+                    call.dial.abandon()
+                    call.dial = None
                 self._fast.forget(call.target, call.channel)
-            call.channel = None  # (one still to dial is never sent)
+            call.channel = None
 
     # --- the direct socket path ------------------------------------------------------------
 
-    def _dial(self, calls: list[_Call[Any]], deadline: float) -> None:
-        """Send the calls that need a new connection (``submit`` sent the others), each dial
-        bounded by what is left until ``deadline``; with nothing left they wait for a later
-        wait."""
-        for call in calls:
-            if call.channel is not None and call.conn is None and not call.done:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._send_fast(call, left)
-
-    def _send_fast(self, call: _Call[Any], dial_timeout_s: float) -> None:
+    def _start_fast(self, call: _Call[Any]) -> None:
+        """Send ``call`` over a free connection of its channel, or dial a new one for it in the
+        background: ``submit`` never waits on a dial."""
         assert call.channel is not None
         try:
-            call.conn = call.channel.start(call.method, call.args, dial_timeout_s=dial_timeout_s)
-        except (OSError, EOFError) as error:
+            started = call.channel.send_or_dial(call.method, call.args, HANDSHAKE_TIMEOUT_S)
+        except Exception as error:
+            self._not_started(call, error)
+            return
+        if isinstance(started, Dialing):
+            call.dial = started
+        else:
+            call.conn = started
+
+    def _dialed(self, call: _Call[Any]) -> None:
+        """``call``'s dial is over: its reply comes on the new connection, or it goes another
+        way."""
+        assert call.dial is not None
+        outcome = call.dial.take()
+        call.dial = None
+        if isinstance(outcome, Exception):
+            self._not_started(call, outcome)
+        else:
+            call.conn = outcome
+
+    def _not_started(self, call: _Call[Any], error: Exception) -> None:
+        """What sending ``call`` on its socket raised decides where it goes instead."""
+        if isinstance(error, (OSError, EOFError)):
             log.debug("fast call to %s did not start: %s", call.target, error)
             self._via_ray_instead(call)
-        except (TypeError, WireError) as error:  # not for this wire: the channel is fine
+        elif isinstance(error, (TypeError, WireError)):  # not for this wire: the channel is fine
             log.debug("%s.%s goes through Ray: %s", call.target, call.method, error)
             self._via_ray_instead(call, forget=False)
+        else:
+            raise error
 
     def _wait_fast(self, calls: list[_Call[Any]], timeout: float) -> None:
-        by_conn: dict[FastConnection, _Call[Any]] = {}
+        """Read the replies that are in and take the dials that are over, waiting up to
+        ``timeout`` for the first."""
+        watched: dict[FastConnection | Dialing, _Call[Any]] = {}
         for call in calls:
-            assert call.conn is not None
-            by_conn[call.conn] = call
-        for conn in wait_ready(list(by_conn), timeout):
-            self._read(by_conn[conn])
+            key = call.conn if call.conn is not None else call.dial
+            assert key is not None
+            watched[key] = call
+        for ready in wait_ready(list(watched), timeout):
+            call = watched[ready]
+            if ready is call.dial:
+                self._dialed(call)
+            else:
+                self._read(call)
 
     def _read(self, call: _Call[Any]) -> None:
         """The reply of a socket call that is ready to read."""
@@ -331,10 +360,10 @@ class RayFanout:
 
 
 class _Call(Ticket[R]):
-    """One call: over the actor's socket (``conn``; ``channel`` alone while it waits to dial)
-    or through Ray (``ref``), until its ``outcome`` is known (``(ok, value or error)``)."""
+    """One call: over the actor's socket (``conn``; ``dial`` while its connection is being
+    made) or through Ray (``ref``), until its ``outcome`` is known (``(ok, value or error)``)."""
 
-    __slots__ = ("args", "kwargs", "channel", "conn", "ref", "ray_done", "outcome")
+    __slots__ = ("args", "kwargs", "channel", "conn", "dial", "ref", "ray_done", "outcome")
 
     def __init__(
         self, target: Target[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -344,6 +373,7 @@ class _Call(Ticket[R]):
         self.kwargs = kwargs
         self.channel: FastChannel | None = None
         self.conn: FastConnection | None = None
+        self.dial: Dialing | None = None
         self.ref: Any = None
         self.ray_done = False
         self.outcome: tuple[bool, Any] | None = None

@@ -163,8 +163,8 @@ def test_a_silent_endpoint_delays_no_other_target_and_is_forgotten(
     entrypoints: Entrypoints,
 ) -> None:
     """A removed machine's worker may linger: the kernel accepts on its socket, nobody answers.
-    Submitted first, its dial must still wait until the calls over open connections are out,
-    take no more than the caller's deadline, and leave the next call to ask Ray."""
+    Submitted first, its dial must hold up none of the calls over open connections, be given
+    up at the caller's deadline, and leave the next call to ask Ray."""
     silent = socket.create_server(("127.0.0.1", 0))
     try:
         victim = entrypoints.target("e0")
@@ -179,9 +179,72 @@ def test_a_silent_endpoint_delays_no_other_target_and_is_forgotten(
         for name in ("e1", "e2"):  # sent before the dial, not after it gave up
             assert entrypoints.entries[name].served_at[0] - started < timeout / 2
         assert victim not in entrypoints.channels  # forgotten: the next call asks Ray
-        assert entrypoints.handles[victim].tried == ["lookup"]  # this one went to Ray instead
+        assert entrypoints.handles[victim].tried == []  # its dial was abandoned at the deadline
         entrypoints.lookup(timeout)
-        assert entrypoints.handles[victim].tried == ["lookup", "fast_endpoint", "lookup"]
+        assert entrypoints.handles[victim].tried == ["fast_endpoint", "lookup"]
+    finally:
+        silent.close()
+
+
+def _dials_behind_a_silent_one(entrypoints: Entrypoints) -> socket.socket:
+    """e0's channel points at a socket the kernel accepts on for nobody (a host cut off
+    answers no better); e1's and e2's channels have no connection open: every call dials."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    entrypoints.channels[entrypoints.target("e0")] = FastChannel((*silent.getsockname(), b"k" * 32))
+    for name, server in zip(entrypoints.names[1:], entrypoints.servers[1:], strict=True):
+        entrypoints.channels[entrypoints.target(name)] = FastChannel(server.endpoint)
+    return silent
+
+
+def test_a_dial_that_hangs_holds_up_no_other_dial_nor_the_replies(
+    entrypoints: Entrypoints,
+) -> None:
+    """A host cut off mid-read: the calls to its actor hang, so the hedge's calls to it need new
+    connections, whose dials hang too. Dialed first, it must not hold up the dials of the
+    healthy actors (a partition test missed blocks that way), nor the reading of their
+    replies: the wait returns with them well before its deadline."""
+    silent = _dials_behind_a_silent_one(entrypoints)
+    try:
+        fanout = entrypoints.fanout
+        tickets = {
+            fanout.submit(entrypoints.target(name), EntryCalls.lookup, ["k"]): name
+            for name in entrypoints.names  # e0 first
+        }
+        started = time.monotonic()
+        healthy = [t for t, name in tickets.items() if name != "e0"]
+        ready: list[Any] = []
+        while len(ready) < len(healthy) and time.monotonic() - started < 1.5:
+            ready += fanout.wait([t for t in tickets if t not in ready], 1.5)
+        elapsed = time.monotonic() - started
+        assert sorted(tickets[t] for t in ready) == ["e1", "e2"], elapsed
+        assert elapsed < 1.0  # not after e0's dial gave up (its bound: the handshake's 2 s)
+        assert [fanout.result(t) for t in healthy] == [["e1:k"], ["e2:k"]]
+        outcomes = gather(fanout, tickets, 0.3)
+        assert isinstance(outcomes[next(iter(tickets))], NodeUnavailable)
+        assert entrypoints.target("e0") not in entrypoints.channels  # its dial was abandoned
+    finally:
+        silent.close()
+
+
+def test_gather_async_does_not_wait_on_a_hung_dial_either(entrypoints: Entrypoints) -> None:
+    import asyncio
+
+    from kvstore.blockstore.fanout import gather_async
+
+    silent = _dials_behind_a_silent_one(entrypoints)
+    try:
+        fanout = entrypoints.fanout
+        tickets = [
+            fanout.submit(entrypoints.target(name), EntryCalls.lookup, ["k"])
+            for name in entrypoints.names
+        ]
+        started = time.monotonic()
+        outcomes = list(asyncio.run(gather_async(fanout, tickets, 1.0)).values())
+        assert time.monotonic() - started < 1.5
+        assert outcomes[1:] == [["e1:k"], ["e2:k"]]
+        assert isinstance(outcomes[0], NodeUnavailable)
+        for name in ("e1", "e2"):  # sent at once, not after e0's dial
+            assert entrypoints.entries[name].served_at[0] - started < 0.5
     finally:
         silent.close()
 
