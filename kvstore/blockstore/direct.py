@@ -367,6 +367,12 @@ class DirectReader:
                 placements[b, : len(row)] = row
         listed = self._listed  # no socket: none to ask
         placements[~listed[np.clip(placements, -1, len(listed) - 1)]] = -1
+        resting = self._links.resting()
+        # Failed a read lately (``readlinks``): their blocks come from parity. More than the
+        # parity could stand in for says more about this reader than about the nodes (a stall
+        # of its own): then every node is asked, as before.
+        if resting and len(resting) <= self.m:
+            placements[np.isin(placements, list(resting))] = -1
         read = _Read(
             capability,
             view,

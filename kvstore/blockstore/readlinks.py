@@ -21,6 +21,7 @@ Failures never escape: a node that cannot be reached, times out or answers what 
 loses its connection and is asked nothing more in this exchange; what it sent whole before
 that still counts. A pooled connection that fails before its first reply had gone stale (the
 node's idle bound): it is dialed again once and sent its requests again.
+A node that failed an exchange rests (``noderests``): reads leave it out for a while.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvstore.blockstore import readproto as proto
+from kvstore.blockstore.noderests import NodeRests
 from kvstore.fastcall.tls import ClientTLS, client_context, tls_handshake
 
 _pieces: ModuleType | None
@@ -49,6 +51,8 @@ try:  # the receive's iovec built in C; without a compiler at install, ``Scatter
 except ImportError:  # pragma: no cover - the CI machine builds it
     _pieces = None
 
+#: Bound of a resting node's background dial (what a loaded node's TLS handshake may take).
+_CHECK_S = 2.0
 #: Buffers one ``recvmsg_into`` fills at the most (IOV_MAX is 1024 on Linux).
 _MAX_PIECES = 512
 #: Buffers a ``Scatter``'s pieces may lie in (the C receive's limit).
@@ -469,11 +473,32 @@ class NodeLinks:
         #: The nodes that failed an exchange (not reached, timed out, not a reply; not a stale
         #: pooled connection dialed again) since the caller last cleared it.
         self.down: set[int] = set()
+        self.rests: NodeRests[Connection] = NodeRests(self._check_dial, Connection.close)
 
     def close(self) -> None:
+        self.rests.close()
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
+
+    def resting(self) -> set[int]:
+        """The nodes to leave out of a read now (``noderests``); one back has the connection
+        of its background dial pooled."""
+        resting, back = self.rests.resting()
+        for node, conn in back.items():
+            self._drop(node, failed=False)
+            self._conns[node] = conn
+            self.counters["nodes_back"] += 1
+        return resting
+
+    def _check_dial(self, node: int) -> Connection:
+        return Connection.dial(self.endpoints[node], self._tls, time.monotonic() + _CHECK_S)
+
+    def _failed(self, node: int) -> None:
+        """``node`` failed this exchange: down for the read, then resting."""
+        self.down.add(node)
+        if self.rests.failed(node):
+            self.counters["nodes_rested"] += 1
 
     def reachable(self, timeout_s: float = 1.0) -> set[int]:
         """The nodes whose engine read socket this process can open (TLS included) within
@@ -517,8 +542,9 @@ class NodeLinks:
         in one C call, the others (and any reply that is not the usual one) here."""
         limit: int | None = None  # the last stripe position a node may send now
         replies: dict[int, _Reply] = {}
-        for node, asked in requests.items():
-            opened = self._open(node, list(asked), deadline)
+        # Pooled connections first: a node that must be dialed (and may not answer) after.
+        for node in sorted(requests, key=lambda node: node not in self._conns):
+            opened = self._open(node, list(requests[node]), deadline)
             if opened is not None:
                 replies[node] = opened
         landed: list[Items] = []
@@ -596,6 +622,7 @@ class NodeLinks:
                     continue
                 tell(got)
                 if not reply.requests:
+                    self.rests.answered(reply.node)
                     forget(reply)
                 keep_pace()
         for conn in self._conns.values():
@@ -672,6 +699,7 @@ class NodeLinks:
                 if reply.requests:
                     reply._start()
                 else:
+                    self.rests.answered(reply.node)
                     del replies[reply.node]
                 continue
             del replies[reply.node]  # failed, or out of time: down for this read
@@ -695,11 +723,14 @@ class NodeLinks:
             except OSError:
                 self._drop(node)
         try:
-            conn = self._conns[node] = Connection.dial(self.endpoints[node], self._tls, deadline)
+            # Half of what is left: a node that does not answer its dial (its host cut off)
+            # leaves the others time to answer theirs.
+            half = deadline - (deadline - time.monotonic()) / 2
+            conn = self._conns[node] = Connection.dial(self.endpoints[node], self._tls, half)
             conn.send(frames, deadline)
         except (OSError, ValueError):
             self._drop(node)
-            self.down.add(node)
+            self._failed(node)
             return None
         return _Reply(node, conn, requests, fresh=False)
 
@@ -709,12 +740,12 @@ class NodeLinks:
         dialed again once and sent what it still owes (the new reply, or None)."""
         self._drop(node)
         if reply is None or not reply.fresh:
-            self.down.add(node)
+            self._failed(node)
             return None
         return self._open(node, reply.requests, deadline)
 
-    def _drop(self, node: int) -> None:
-        self.counters["node_failures"] += 1
+    def _drop(self, node: int, failed: bool = True) -> None:
+        self.counters["node_failures"] += failed
         conn = self._conns.pop(node, None)
         if conn is not None:
             conn.close()
