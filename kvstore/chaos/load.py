@@ -116,6 +116,9 @@ class LoadStats:
     operations: int = 0
     error_messages: list[str] = field(default_factory=list)
     missed_keys: list[BlockKey] = field(default_factory=list)
+    #: (monotonic start, seconds) of the get call of each missed key, in the same order: when
+    #: a scenario's misses happened, and whether the call ran into its deadline.
+    missed_in: list[tuple[float, float]] = field(default_factory=list)
     #: (monotonic start, seconds) of every get call.
     get_latencies: list[tuple[float, float]] = field(default_factory=list)
     #: Every put call, in the order they ended.
@@ -234,6 +237,7 @@ class LoadGenerator:
                 stats,
                 error_messages=list(stats.error_messages),
                 missed_keys=list(stats.missed_keys),
+                missed_in=list(stats.missed_in),
                 get_latencies=list(stats.get_latencies),
                 put_log=list(stats.put_log),
             )
@@ -303,5 +307,6 @@ class LoadGenerator:
                 self.stats.read_misses += check.misses
                 self.stats.wrong_bytes += check.wrong
                 self.stats.missed_keys.extend(check.missed_keys)
+                self.stats.missed_in.extend([(started, seconds)] * len(check.missed_keys))
                 self.stats.get_latencies.append((started, seconds))
             self._stop.wait(self._config.pause_s)

@@ -137,11 +137,18 @@ def _puts(result: ScenarioResult, stats: LoadStats, since: float, until: float) 
 
 
 def _reads(result: ScenarioResult, stats: LoadStats, since: float, until: float) -> None:
-    """Read misses of the load count as failed reads (every stripe keeps >= 10 shards)."""
+    """Read misses of the load count as failed reads (every stripe keeps >= 10 shards). For
+    each call that missed (at most 10), when it started after the fault and how long it took:
+    a call that ran into the client's deadline says where to look."""
     result.failed_reads += stats.read_misses
     before = stats.percentile_ms(99, until=since)
     during = stats.percentile_ms(99, since, until)
     result.details["get_p99_ms"] = {"before": before, "during_fault": during}
+    calls = sorted(set(stats.missed_in))[:10]
+    result.details["missed_calls"] = [
+        {"started_after_fault_s": round(started - since, 2), "took_s": round(took, 2)}
+        for started, took in calls
+    ]
 
 
 def _data_plane(result: ScenarioResult, tier: ChaosTier) -> None:
