@@ -486,8 +486,8 @@ class NodeLinks:
         of its background dial pooled."""
         resting, back = self.rests.resting()
         for node, conn in back.items():
-            self._drop(node, failed=False)
-            self._conns[node] = conn
+            if self._conns.setdefault(node, conn) is not conn:
+                conn.close()  # asked meanwhile (more nodes resting than parity): one is pooled
             self.counters["nodes_back"] += 1
         return resting
 
@@ -744,8 +744,8 @@ class NodeLinks:
             return None
         return self._open(node, reply.requests, deadline)
 
-    def _drop(self, node: int, failed: bool = True) -> None:
-        self.counters["node_failures"] += failed
+    def _drop(self, node: int) -> None:
+        self.counters["node_failures"] += 1
         conn = self._conns.pop(node, None)
         if conn is not None:
             conn.close()

@@ -19,6 +19,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvstore import wire
@@ -113,7 +114,7 @@ class FastChannel:
         parts = wire.encode((method, tuple(args)), self._frame_limit)
         conn = self._free_connection()
         if conn is None:
-            return Dialing(self, parts)
+            return Dialing(lambda: self._start(parts, HANDSHAKE_TIMEOUT_S))
         self._send(conn, parts, timeout_s)
         return conn
 
@@ -179,21 +180,20 @@ class Dialing:
     reply will come on, or what stopped the call (``start``'s errors). A caller that gives up
     ``abandon``s it: the connection, whenever it comes, is closed unread."""
 
-    def __init__(self, channel: FastChannel, parts: list[Buffer]) -> None:
+    def __init__(self, start: Callable[[], FastConnection]) -> None:
+        """``start()``: dial and send, in the dial's thread."""
         self._lock = threading.Lock()
         self._outcome: FastConnection | Exception | None = None
         self._abandoned = False
         self._taken = True  # until the eventfd is open there is nothing to close
         self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._taken = False
-        threading.Thread(
-            target=self._run, args=(channel, parts), name="fastcall-dial", daemon=True
-        ).start()
+        threading.Thread(target=self._run, args=(start,), name="fastcall-dial", daemon=True).start()
 
-    def _run(self, channel: FastChannel, parts: list[Buffer]) -> None:
+    def _run(self, start: Callable[[], FastConnection]) -> None:
         outcome: FastConnection | Exception
         try:
-            outcome = channel._start(parts, HANDSHAKE_TIMEOUT_S)
+            outcome = start()
         except Exception as error:  # the caller sorts it out, as if ``start`` had raised
             outcome = error
         with self._lock:
