@@ -31,6 +31,7 @@ class StorageNodeCalls(Protocol):
         shards: Sequence[np.ndarray],
         class_ids: Sequence[int] | np.ndarray,
         created: Sequence[float] | np.ndarray,
+        commit: bool = False,
     ) -> list[bool]: ...
 
     def commit(self, token: int, keys: Sequence[bytes]) -> list[bool]: ...

@@ -3,30 +3,37 @@
 Write rule (all or nothing). A block becomes visible to ``lookup`` only after:
 
 1. its meta shard granted this writer a reservation of the key (``begin_put``);
-2. at least ``min_write_shards`` (k+1 by default) of its shards were written *pending* and
-   acknowledged durable by as many distinct nodes (one ``put`` call per node per batch);
-3. at least ``min_write_shards`` of those nodes acknowledged the commit mark of their shard,
-   durable too (how a node records a commit on disk, and what it guarantees then, is documented
-   in ``node.py``);
-4. its meta shard inserted it into the index (``commit``) — the visibility point.
+2. at least ``min_write_shards`` (k+1 by default) of its shards were written and acknowledged
+   durable by as many distinct nodes, each shard committed on its node as it is written (one
+   ``put`` call per node per batch, ``commit=True``: the SHARD record is its own commit mark;
+   what a node guarantees then is documented in ``node.py``);
+3. its meta shard inserted it into the index (``commit``) — the visibility point.
 
 Normally all k+m shards are written. With fewer than k+m nodes taking writes (dead, or draining:
 a node that refuses a put with ``NodeDraining`` is left out of placement for ``node_retry_s``
 but still read from) but at least ``min_write_shards``, each such node gets one shard and the
 parity shards past them are not written, so every data shard exists and reads stay on the
-systematic path. A block whose write or commit reached at least ``min_write_shards`` but not
-all of its shards is stored *under-redundant*: its placement records the missing shards as lost
-(-1), it is listed in ``PutResult.under_redundant``, and the repair restores them as it does a
-dead node's.
+systematic path. A block whose write reached at least ``min_write_shards`` but not all of its
+shards is stored *under-redundant*: its placement records the missing shards as lost (-1), it
+is listed in ``PutResult.under_redundant``, and the repair restores them as it does a dead
+node's.
 
-A block with fewer acknowledgements in 2 or 3 is reported ``failed`` and never inserted; its
-reservation is dropped and its pending/committed shards are orphans that the nodes' orphan
-scrub reclaims after ``orphan_grace_s`` (so are the shards of a stored block left out of its
-placement). A writer that dies anywhere before 4 leaves no visible block. Because step 3 only
-starts after step 2 finished everywhere, a committed shard proves at least ``min_write_shards``
-(>= k) shards of its stripe were durable; a meta shard rebuilt from manifests restores a block
-only with >= k committed shards found (``meta.py``), so an uncommitted write is never
-resurrected and a committed one is never lost.
+A block with fewer acknowledgements in 2 is reported ``failed`` and never inserted; its
+reservation is dropped, and its shards on the nodes are orphans: no placement names them, so
+the nodes' orphan scrub reclaims them after ``orphan_grace_s`` (as it does the shards of a
+stored block left out of its placement). A writer that dies anywhere before 3 leaves no
+visible block.
+
+Why no separate commit round. Nodes used to take a write's shards *pending* and make them
+readable only on a second call, after the put had been acknowledged everywhere, so that a meta
+shard rebuilt from the nodes' manifests could not bring back a write that failed. That second
+round (12 calls, 12 flushes, a mark a shard) cost about a sixth of a put's CPU over all
+processes, and it bought little: a rebuild restores a key only when at least k shards that
+agree on its payload hash are found (``meta.py``), and readers decode only shards that agree
+and check the result, so what a rebuild can bring back of a failed or abandoned write is a
+whole block with its own bytes, under-redundant at worst (the repair completes it), or the
+orphan scrub reclaims it first. A key is written again only after it left the index, and then
+the newest committed shard on a node replaces the older one, as a commit mark did.
 
 Reads are ``reads.py`` (``BlockReads``), the shared state and node health ``core.py``.
 """
@@ -124,8 +131,8 @@ class BlockStoreClient(BlockReads):
     def _write(
         self, keys: list[BlockKey], payloads: list[object], class_id: int, token: int
     ) -> tuple[list[BlockKey], list[BlockKey], list[BlockKey]]:
-        """Steps 2-4 of the write rule for reserved keys; returns (stored, failed, the stored
-        ones that are under-redundant)."""
+        """Steps 2 and 3 of the write rule for reserved keys; returns (stored, failed, the
+        stored ones that are under-redundant)."""
         stripes = self._codec.encode_many(payloads, keys)
         # Shards of one length (the usual batch: one block size) go to each node as one 2-D
         # array (``Stacked``: on the wire without a copy into one first), one item the node
@@ -136,8 +143,8 @@ class BlockStoreClient(BlockReads):
         created = self._clock.now()
         todo = np.arange(len(keys))
         # Which node holds which shard of each block, acknowledged: shard index -> node, -1 =
-        # none. A node keeps one pending shard per key and writer (a retried put replaces it,
-        # maybe with another index), so each put's outcome first clears what the node held.
+        # none. A node keeps one committed shard per key (a retried put replaces it, maybe with
+        # another index), so each put's outcome first clears what the node held.
         held = np.full((len(keys), self._width), -1, dtype=np.int32)
         for _attempt in range(2):  # a node failing mid-put: re-place on the others once
             nodes = self._write_nodes()
@@ -160,6 +167,7 @@ class BlockStoreClient(BlockReads):
                     # One array each, not a list: one wire item instead of one per shard.
                     np.full(len(shards), class_id, np.uint8),
                     np.full(len(shards), created, np.float64),
+                    True,  # committed as written: no second round (the module doc)
                 )
                 tickets[ticket] = (node, positions, indices, time.monotonic())
             short = np.zeros(len(keys), bool)  # blocks with a put not acknowledged this attempt
@@ -177,8 +185,7 @@ class BlockStoreClient(BlockReads):
                 short[positions[~acks]] = True
             todo = todo[short[todo]]
         enough = (held >= 0).sum(axis=1) >= self.config.write_quorum
-        written = {int(p): held[p] for p in np.flatnonzero(enough)}
-        committed = self._commit_on_nodes(keys, written, token)
+        committed = {int(p): held[p] for p in np.flatnonzero(enough)}
         stored_positions = self._commit_in_meta(keys, committed, sizes, class_id, token)
         stored = [keys[p] for p in sorted(stored_positions)]
         failed = [keys[p] for p in range(len(keys)) if p not in stored_positions]
@@ -207,37 +214,6 @@ class BlockStoreClient(BlockReads):
         else:
             self._mark_failed(node, waited_s)
 
-    def _commit_on_nodes(
-        self, keys: list[BlockKey], written: dict[int, np.ndarray], token: int
-    ) -> dict[int, np.ndarray]:
-        """Step 3: commit marks; returns the blocks with at least ``min_write_shards`` of them
-        acknowledged, each placement keeping only its acknowledged shards (the others stay
-        pending or unreferenced on their nodes: orphans, reclaimed after the grace period)."""
-        if not written:
-            return {}
-        positions = np.fromiter(written, np.int64, len(written))
-        placements = np.stack([written[p] for p in positions.tolist()])
-        tickets = {}
-        for node, (rows, indices) in _by_node(placements, self.config.data_shards).items():
-            ticket = self._fanout.submit(
-                node_target(node),
-                StorageNodeCalls.commit,
-                token,
-                [keys[p] for p in positions[rows].tolist()],
-            )
-            tickets[ticket] = (node, rows, indices)
-        marked = np.full(placements.shape, -1, np.int32)
-        sent = time.monotonic()
-        for ticket, outcome in self._gather(tickets, self.config.call_timeout_s).items():
-            node, rows, indices = tickets[ticket]
-            if isinstance(outcome, NodeUnavailable):
-                self._note_unavailable(node, outcome, time.monotonic() - sent)
-                continue
-            acks = _acks(outcome, len(rows))
-            marked[rows[acks], indices[acks]] = node
-        enough = (marked >= 0).sum(axis=1) >= self.config.write_quorum
-        return {int(positions[r]): marked[r] for r in np.flatnonzero(enough).tolist()}
-
     def _commit_in_meta(
         self,
         keys: list[BlockKey],
@@ -246,7 +222,7 @@ class BlockStoreClient(BlockReads):
         class_id: int,
         token: int,
     ) -> set[int]:
-        """Step 4: the visibility point."""
+        """Step 3: the visibility point."""
         positions = sorted(committed)
         if not positions:
             return set()

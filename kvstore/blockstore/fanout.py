@@ -9,8 +9,8 @@ A call names its method through the Protocol of what the target offers
 (``kvstore.blockstore.calls``), never by a string, so mypy checks the arguments, the result type
 and that the method belongs to the target's kind::
 
-    ticket = fanout.submit(node_target(3), StorageNodeCalls.commit, token, keys)
-    acks = fanout.result(ticket)  # list[bool]
+    ticket = fanout.submit(node_target(3), StorageNodeCalls.holds, keys)
+    held = fanout.result(ticket)  # list[bool]
 
 The fanouts dispatch by the method's name. ``gather`` is the one way to wait for many calls
 under one deadline (``gathered``: the same as a ``kvstore.pending.Pending``, for callers on

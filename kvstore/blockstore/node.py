@@ -16,19 +16,20 @@ parent checked for owner and mode, every file reached relative to a held directo
 without following symlinks (``kvstore.privatefs``).
 
 **Commit rule.** A shard is *committed* on this node when the log holds, durably (per the fsync
-policy), its SHARD record and a later COMMIT record naming that record's LSN and writer token —
-or a compaction copy of it flagged committed. ``put`` appends SHARD records (pending: not
-readable) and acknowledges once they are on disk; ``commit`` appends the COMMIT records and
-acknowledges once they are on disk; only then is the shard readable. The writer commits only after
-the put phase ended on every node of the stripe, with at least ``min_write_shards`` of them
-acknowledging (``client.py``), so a committed shard still proves its stripe was durable with at
-least that many shards, which is what a meta shard's rebuild relies on (``meta.py``). A
-writer killed mid-put leaves pending records only: never readable, dropped from the index after
-``orphan_grace_s`` (``reclaim_orphans``), their bytes reclaimed by compaction.
+policy), its SHARD record flagged committed (a put with ``commit``, the client's one write round,
+or a compaction copy of a committed shard), or a pending SHARD record and a later COMMIT record
+naming that record's LSN and writer token (``put`` then ``commit``). ``put`` acknowledges once
+its records are on disk, ``commit`` once its marks are; a committed shard is readable, a pending
+one is not. What a committed shard proves is only that its own bytes are durable: a meta shard's
+rebuild counts the shards of a write that agree on its payload hash (``meta.py``), and the
+client's write rule (``client.py``) says why a write committed as it is written is safe. A
+writer killed mid-put leaves shards no placement names: pending ones are dropped from the index
+after ``orphan_grace_s``, committed ones once no meta shard maps them to this node
+(``reclaim_orphans``), their bytes reclaimed by compaction.
 
 **Restart.** The index is rebuilt from the segments' footers (one read each) plus a scan of the
 open segment, then every record is replayed in LSN order: SHARD makes a pending entry (or a
-committed one, for a compaction copy), COMMIT turns the pending entry with its LSN and token
+committed one, when flagged committed), COMMIT turns the pending entry with its LSN and token
 committed (replacing an older committed shard of the key), DELETE drops the committed shard with
 its LSN. Aborts write nothing: an aborted shard comes back pending and is reclaimed as an orphan.
 
@@ -71,6 +72,7 @@ from kvstore.blockstore.segmentlog import AppendFailed, SegmentLog
 from kvstore.blockstore.segments import (
     COMMIT,
     DELETE,
+    FLAG_COMMITTED,
     RECORD_BYTES,
     SHARD,
     header_ok,
@@ -268,13 +270,17 @@ class StorageNode:
         shards: Sequence[np.ndarray],
         class_ids: Sequence[int] | np.ndarray,
         created: Sequence[float] | np.ndarray,
+        commit: bool = False,
     ) -> list[bool]:
-        """Append shards as *pending* under writer ``token``; True per durably written shard.
+        """Append shards under writer ``token``; True per durably written shard.
 
-        A shard is refused (False) when it fails its checksum, does not belong to its key, or
-        the node is full. Nothing becomes readable before ``commit``. The batch is one append
-        (headers built at once) and at most one flush. A draining node refuses the whole batch
-        with ``NodeDraining`` (the writer places the shards elsewhere).
+        The shards are *pending* (not readable before ``commit``), or with ``commit`` committed
+        as they are written: each SHARD record flagged committed, so the write is its own
+        commit mark (the client's write rule, ``client.py``, says why that is safe). A shard is
+        refused (False) when it fails its checksum, does not belong to its key, or the node is
+        full. The batch is one append (headers built at once) and at most one flush. A
+        draining node refuses the whole batch with ``NodeDraining`` (the writer places the
+        shards elsewhere).
         """
         count = len(keys)
         if isinstance(shards, Stacked):  # a client's batch not sent over the wire
@@ -311,6 +317,7 @@ class StorageNode:
             created=born,
             stamp=now,
             body_len=lengths,
+            flags=FLAG_COMMITTED if commit else 0,
         )
         try:
             seq, offsets = self._log.append(heads, bodies)
@@ -318,9 +325,10 @@ class StorageNode:
             log.warning("node %d: appending %d shards failed: %s", self.node_id, len(chosen), error)
             self._counters["put_refused"] += len(chosen)
             return results
-        self._index.add_pending(
+        self._index.add(
             token,
             chosen,
+            committed=commit,
             seg=seq,
             offset=offsets,
             body_len=lengths,
@@ -335,6 +343,7 @@ class StorageNode:
         for position in positions:
             results[position] = True
         self._counters["puts"] += len(chosen)
+        self._counters["commits"] += len(chosen) if commit else 0
         self._counters["bytes_written"] += len(chosen) * RECORD_BYTES + sum(lengths)
         return results
 

@@ -421,7 +421,9 @@ class Repairer:
         stripes: list[tuple[int, StripeRecord]],
         writes: dict[int, list[tuple[int, int, np.ndarray]]],
     ) -> list[tuple[int, tuple[bytes, int, int, int]]]:
-        """Write and commit new shards; returns (meta shard, placement move) per shard landed."""
+        """Write new shards, each committed as it is written (as a client's put: ``client.py``);
+        returns (meta shard, placement move) per shard landed. A shard whose move does not take
+        is an orphan the node's scrub reclaims."""
         token = secrets.randbits(64)
         put_tickets = {}
         for node, items in writes.items():
@@ -434,32 +436,16 @@ class Repairer:
                     [shard for _, _, shard in batch],
                     [stripes[p][1].class_id for p, _, _ in batch],
                     [stripes[p][1].created for p, _, _ in batch],
+                    True,
                 )
                 put_tickets[ticket] = (node, batch)
-        written: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        moves: list[tuple[int, tuple[bytes, int, int, int]]] = []
         for ticket, outcome in self._gather(put_tickets).items():
             node, batch = put_tickets[ticket]
             if isinstance(outcome, NodeUnavailable):
                 self.counters["write_failures"] += 1
                 continue
             for (position, index, _), ok in zip(batch, outcome, strict=True):
-                if ok:
-                    written[node].append((position, index))
-        commit_tickets = {
-            self._fanout.submit(
-                node_target(node),
-                StorageNodeCalls.commit,
-                token,
-                [stripes[p][1].key for p, _ in landed],
-            ): (node, landed)
-            for node, landed in written.items()
-        }
-        moves: list[tuple[int, tuple[bytes, int, int, int]]] = []
-        for ticket, outcome in self._gather(commit_tickets).items():
-            node, landed = commit_tickets[ticket]
-            if isinstance(outcome, NodeUnavailable):
-                continue
-            for (position, index), ok in zip(landed, outcome, strict=True):
                 if ok:
                     shard, stripe = stripes[position]
                     old = int(stripe.placement[index])

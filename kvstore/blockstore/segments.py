@@ -25,7 +25,8 @@ others)::
          0    4 magic          b"KVRC"
          4    1 kind           1 SHARD, 2 COMMIT, 3 DELETE
          5    1 class id       traffic class of the block (SHARD)
-         6    1 flags          bit 0: committed (a compaction copy of a committed shard)
+         6    1 flags          bit 0: committed (SHARD: a put committed as it was written, or
+                               a compaction copy of a committed shard)
          7    1 shard index    stripe position (SHARD)
          8    8 lsn            log sequence number: the identity of this record's event
         16    8 token          the put that wrote the shard (SHARD, COMMIT)

@@ -94,17 +94,24 @@ class ShardIndex:
 
     # --- changes ---------------------------------------------------------------------------
 
-    def add_pending(self, token: int, keys: Sequence[bytes], **values: Any) -> list[int]:
-        """Index ``keys``' new SHARD records, written by ``token``, as pending; their columns
-        set from ``values`` (per row or one). A pending shard of the same key and token (a
-        retried put) is dropped. Returns the rows."""
+    def add(
+        self, token: int, keys: Sequence[bytes], committed: bool = False, **values: Any
+    ) -> list[int]:
+        """Index ``keys``' new SHARD records, written by ``token``, as pending, or as committed
+        (a put that is its own commit mark); their columns set from ``values`` (per row or
+        one). What a new record replaces is dropped, as a replay of the log replaces it: a
+        pending shard of the same key and token (a retried put) for a pending one, the key's
+        committed shard for a committed one. Returns the rows."""
         rows = self._add_many(len(keys), **values)
-        pending = self._pending
+        pending, held = self._pending, self._committed
         for key, row in zip(keys, rows, strict=True):
-            previous = pending.pop((key, token), None)
-            if previous is not None:
-                self._drop(previous)
-            pending[(key, token)] = row
+            older = held.get(key) if committed else pending.get((key, token))
+            if older is not None:
+                self._drop(older)
+            if committed:
+                held[key] = row
+            else:
+                pending[(key, token)] = row
         # Counted in per segment at once (a batch is one append: one segment), not a row at a
         # time; the order against the drops above does not change the sums.
         at = np.asarray(rows, np.int64)
@@ -244,11 +251,12 @@ class ShardIndex:
 
     def _apply_simple(self, records: np.ndarray, row_of: np.ndarray) -> np.ndarray:
         """Apply at once the keys whose whole history is one of the two common shapes: a lone
-        SHARD (pending, or committed when it is a compaction copy), or a SHARD then the COMMIT of
-        that very record. Returns, in LSN order, the records of every other key (and of keys
-        sharing an 8-byte prefix with another), which the ordered loop applies: keys never act
-        on one another, so splitting them this way changes nothing but the time (~1 s of loop
-        for a restart of 200,000 committed shards)."""
+        SHARD (pending, or committed when flagged so: a compaction copy, or a put committed as
+        it was written), or a SHARD then the COMMIT of that very record. Returns, in LSN order,
+        the records of every other key (and of keys sharing an 8-byte prefix with another),
+        which the ordered loop applies: keys never act on one another, so splitting them this
+        way changes nothing but the time (~1 s of loop for a restart of 200,000 committed
+        shards)."""
         keys = np.ascontiguousarray(records["key"]).view(np.uint64).reshape(-1, 4)
         order = np.argsort(keys[:, 0], kind="stable")  # stable: LSN order within a group
         prefix = keys[order, 0]

@@ -10,7 +10,8 @@ from kvstore.ec import Codec
 
 def disk_bytes_per_block(block_bytes: int, data_shards: int = 10, parity_shards: int = 2) -> int:
     """Disk bytes one committed block of ``block_bytes`` takes over its stripe: each of the
-    ``data_shards + parity_shards`` shards is a SHARD record (header + codec shard) and a
-    COMMIT record in its node's log (dead bytes awaiting compaction not counted)."""
+    ``data_shards + parity_shards`` shards is one SHARD record (header + codec shard) in its
+    node's log, committed as it was written (``blockstore.client``): what a node's capacity
+    counts too (dead bytes awaiting compaction not counted)."""
     shard = Codec(data_shards, parity_shards).shard_length(block_bytes)
-    return (data_shards + parity_shards) * (shard + 2 * RECORD_BYTES)
+    return (data_shards + parity_shards) * (shard + RECORD_BYTES)

@@ -42,7 +42,6 @@ import numpy as np
 from tqdm import tqdm
 
 from kvstore.api.client import ClientFactory, KVStoreClient
-from kvstore.blockstore.segments import RECORD_BYTES
 from kvstore.config import default_gc_config
 from kvstore.demo.engine import expected_payload
 from kvstore.errors import InvalidArgument
@@ -176,16 +175,6 @@ def capacity_blocks(config: ReplayConfig, unique_blocks: int) -> int | None:
     return None
 
 
-def counted_bytes_per_block(block_bytes: int) -> int:
-    """Bytes one committed block counts against the storage nodes' capacity: its 12 SHARD
-    records. ``disk_bytes_per_block`` also counts the 12 COMMIT marks, which are on disk but
-    not in a node's live bytes (what its capacity and the GC's watermarks count:
-    ``kvstore.blockstore.capacity``); counting them would give the tier 96 B a shard more room
-    than the oracle (6% at payload scale 1/8)."""
-    shards = DATA_SHARDS + PARITY_SHARDS
-    return disk_bytes_per_block(block_bytes, DATA_SHARDS, PARITY_SHARDS) - shards * RECORD_BYTES
-
-
 def node_headroom(blocks: int, work: Workload, block_bytes: int) -> float:
     """How much more than ``blocks`` the nodes may hold: ``NODE_HEADROOM``, or room for
     ``HEADROOM_S`` of the run's expected writes when that is more (a small cache fills in
@@ -200,7 +189,9 @@ def node_capacity_bytes(
     """Each storage node's capacity for the tier to hold ``blocks`` blocks (times
     ``headroom``): stripes spread over every node, so each holds about ``12 / nodes`` of the
     shards."""
-    return math.ceil(blocks * counted_bytes_per_block(block_bytes) * headroom / nodes)
+    return math.ceil(
+        blocks * disk_bytes_per_block(block_bytes, DATA_SHARDS, PARITY_SHARDS) * headroom / nodes
+    )
 
 
 def segment_bytes_for(node_capacity: int) -> int:

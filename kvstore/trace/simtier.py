@@ -38,7 +38,6 @@ from kvstore.blockstore.config import BlockStoreConfig
 from kvstore.blockstore.index import BlockIndex
 from kvstore.blockstore.placement import meta_shard_of, place, replacements
 from kvstore.blockstore.repairqueue import RepairQueue
-from kvstore.blockstore.segments import RECORD_BYTES
 from kvstore.ec import Codec
 from kvstore.errors import InvalidArgument
 from kvstore.gc.config import GCConfig
@@ -64,14 +63,14 @@ class ShardSizes:
     width: int
     network: int  # on the wire: the self-describing shard (header + fragment)
     live: int  # what a node counts against its capacity: its SHARD record
-    disk: int  # what the disk holds: the SHARD record and its COMMIT mark
+    disk: int  # what the disk holds: the same record (a put is its own commit mark)
 
     @classmethod
     def of(cls, block_bytes: int, data_shards: int, parity_shards: int) -> ShardSizes:
         width = data_shards + parity_shards
         disk = disk_bytes_per_block(block_bytes, data_shards, parity_shards) // width
         network = Codec(data_shards, parity_shards).shard_length(block_bytes)
-        return cls(block_bytes, width, network, disk - RECORD_BYTES, disk)
+        return cls(block_bytes, width, network, disk, disk)
 
     @property
     def live_per_block(self) -> int:

@@ -26,7 +26,7 @@ class Sizing:
     reachable: bool
     capacity_bytes: int | None
     machine_live_bytes: int | None  # per machine: `kvstore up --capacity-bytes`
-    machine_disk_bytes: int | None  # per machine on disk, commit marks included
+    machine_disk_bytes: int | None  # per machine on disk
     hit_rate: float | None  # of the model at ``capacity_bytes``
     evaluations: tuple[tuple[int, float], ...]  # (capacity_bytes, hit rate) tried, in order
 

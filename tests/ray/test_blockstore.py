@@ -213,12 +213,14 @@ def test_a_restarted_meta_shard_rebuilds_its_index(tier: Tier) -> None:
     tier.assert_all_exact()
 
 
-def test_a_writer_killed_mid_put_leaves_nothing_visible(tier: Tier) -> None:
+def test_a_writer_killed_before_its_meta_commit_leaves_nothing_visible_until_a_rebuild(
+    tier: Tier,
+) -> None:
     config = tier.config
 
     class DyingClient(BlockStoreClient):
-        def _commit_on_nodes(self, *args: Any, **kwargs: Any) -> Any:
-            os._exit(1)  # every shard is pending on its node; the writer dies before commit
+        def _commit_in_meta(self, *args: Any, **kwargs: Any) -> Any:
+            os._exit(1)  # every shard is written and committed on its node; no index has it
 
     @ray.remote(num_cpus=0, max_restarts=0)
     class Writer:
@@ -227,32 +229,34 @@ def test_a_writer_killed_mid_put_leaves_nothing_visible(tier: Tier) -> None:
             client = DyingClient(config, handles.fanout(), node_ids=sorted(handles.nodes))
             client.put_blocks(keys, payloads)
 
+    def shards_held() -> list[int]:
+        """How many nodes hold a committed shard of each of ``keys``."""
+        answers = ray.get([n.holds.remote(keys) for n in tier.handles.nodes.values()], timeout=30)
+        return [sum(held) for held in zip(*answers, strict=True)]
+
     keys = [os.urandom(32) for _ in range(8)]
     payloads = [np.full(BLOCK, i, dtype=np.uint8) for i in range(8)]
     writer = Writer.remote()
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(writer.put.remote(keys, payloads), timeout=60)
-    pending = sum(
-        ray.get(n.usage.remote(), timeout=30)["pending"] for n in tier.handles.nodes.values()
-    )
-    assert pending >= 8 * 12  # the shards were written, pending
+    assert shards_held() == [12] * 8  # written, in one round, and durable
     assert tier.client.lookup(keys).hit_blocks == 0
     assert tier.client.get_blocks(keys) == [None] * 8
     incarnations = ray.get([m.incarnation.remote() for m in tier.handles.metas], timeout=30)
-    for shard in range(config.meta_shards):  # a rebuild must not resurrect them either
+    for shard in range(config.meta_shards):
         tier.handles.kill_meta(shard, restart=True)
-    for meta, before in zip(tier.handles.metas, incarnations, strict=True):
-        _wait_for(lambda m=meta, b=before: _restarted(m, b), 60, "meta shard restart")
+    for meta, old in zip(tier.handles.metas, incarnations, strict=True):
+        _wait_for(lambda m=meta, b=old: _restarted(m, b), 60, "meta shard restart")
     tier.handles.wait_ready(60)
-    assert tier.client.lookup(keys).hit_blocks == 0
-    reclaimed = ray.get(
-        [n.reclaim_orphans.remote(0.0) for n in tier.handles.nodes.values()], timeout=60
-    )
-    assert sum(r["pending_reclaimed"] for r in reclaimed) >= 8 * 12
+    # A rebuild finds each write's 12 durable shards agreeing: whole blocks, their own bytes.
+    got = tier.client.get_blocks(keys)
     assert all(
-        ray.get(n.usage.remote(), timeout=30)["pending"] == 0 for n in tier.handles.nodes.values()
+        g is not None and g.tobytes() == p.tobytes() for g, p in zip(got, payloads, strict=True)
     )
-    tier.assert_all_exact()  # the reclaim touched no committed block
+    tier.stored.update(zip(keys, payloads, strict=True))
+    ray.get([n.reclaim_orphans.remote(0.0) for n in tier.handles.nodes.values()], timeout=60)
+    assert shards_held() == [12] * 8  # indexed now: the scrub keeps every one
+    tier.assert_all_exact()
 
 
 def test_a_whole_cluster_restart_loses_no_committed_block(tier: Tier) -> None:

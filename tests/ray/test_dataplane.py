@@ -28,7 +28,7 @@ from kvstore.swa.config import SWAConfig
 from kvstore.swa.transport import store_target
 
 BLOCK = 114_048  # a block whose 4 data shards are ~28 KiB each
-NODE_DATA = ("put", "commit", "get")
+NODE_DATA = ("put", "get")
 META_WRITES = ("begin_put", "commit", "lookup_wire", "release")
 
 

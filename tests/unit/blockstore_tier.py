@@ -15,6 +15,7 @@ from kvstore.blockstore.fanout import META, NODE, LocalFanout
 from kvstore.blockstore.meta import MetaShard
 from kvstore.blockstore.node import StorageNode, split_shards
 from kvstore.clock import ManualClock
+from kvstore.keys import BlockKey
 
 #: What a tampered node answers for a key instead of its shard (None: absent).
 Tamper = Callable[[np.ndarray], np.ndarray | None]
@@ -52,6 +53,25 @@ class Tier:
         self.metas[shard] = meta
         self.fanout.targets[(META, shard)] = meta
         return meta
+
+    def reclaim_orphans(self) -> int:
+        """Past the orphan grace, every node's orphan scrub, answered by the meta shards (as
+        the node actors ask them); returns how many shards it dropped."""
+        self.clock.advance(self.config.orphan_grace_s + 1)
+        dropped = 0
+        for node_id, node in self.nodes.items():
+
+            def referenced(keys: list[BlockKey], node_id: int = node_id) -> list[bool]:
+                answer = [False] * len(keys)
+                for shard, positions in self.client._by_meta(keys).items():
+                    asked = self.metas[shard].referenced([keys[p] for p in positions], node_id)
+                    for position, used in zip(positions, asked, strict=True):
+                        answer[position] = used
+                return answer
+
+            done = node.reclaim_orphans(referenced, self.config.orphan_grace_s)
+            dropped += done["pending_reclaimed"] + done["committed_reclaimed"]
+        return dropped
 
     def tamper(self, node_id: int, key: bytes, change: Tamper) -> None:
         """From now on node ``node_id`` answers ``change(shard)`` for ``key``'s shard: what

@@ -46,7 +46,7 @@ def put(
     """A node's put: SHARD records appended and indexed pending; returns each key's body."""
     first = log.next_lsn
     seq, offsets, bodies = shards(log, keys, token)
-    index.add_pending(
+    index.add(
         token,
         keys,
         seg=seq,

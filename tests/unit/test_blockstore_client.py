@@ -17,6 +17,7 @@ from kvstore.blockstore.client import BlockStoreClient
 from kvstore.blockstore.fanout import META, NODE
 from kvstore.blockstore.placement import place
 from kvstore.blockstore.records import Lease
+from kvstore.blockstore.segments import SEGMENT_HEADER_BYTES
 from kvstore.ec import Codec
 from kvstore.errors import ConfigError, InvalidArgument
 
@@ -371,25 +372,44 @@ def test_fewer_than_min_write_shards_live_nodes_means_the_put_fails_cleanly(tier
     assert tier.client.put_blocks([_key(1)], [b"payload"]).stored == [_key(1)]
 
 
-def _die_before_commit(tier: Tier, key: bytes, payload: np.ndarray) -> None:
-    """A writer that reserved, wrote every shard pending, and died before any commit mark."""
+def test_a_put_is_one_call_a_node_each_shard_committed_as_it_is_written(tier: Tier) -> None:
+    keys = [_key(i) for i in range(16)]
+    payloads = [_payload(i) for i in range(16)]
+    tier.fanout.calls.clear()
+    assert tier.client.put_blocks(keys, payloads).stored == keys
+    node_calls = [method for (kind, _), method in tier.fanout.calls if kind == NODE]
+    assert node_calls == ["put"] * 12  # no second round of commit marks
+    for node in tier.nodes.values():
+        usage = node.usage()
+        assert (usage["shards"], usage["pending"]) == (16, 0)
+        assert usage["dead_bytes"] == SEGMENT_HEADER_BYTES  # not one COMMIT mark
+    assert _same(tier.client.get_blocks(keys)[3], payloads[3])
+
+
+def _die_before_meta_commit(tier: Tier, key: bytes, payload: np.ndarray, shards: int) -> None:
+    """A writer that reserved ``key``, wrote the first ``shards`` shards of its stripe (each
+    committed as written, as the client's put does) and died before its meta commit."""
     token = 4242
     shard = int(tier.client._by_meta([key]).popitem()[0])
     tier.metas[shard].begin_put([key], token)
     stripe = Codec().encode(payload, key)
     placement = place([key], range(len(tier.nodes)), 12)[0]
-    for index, node in enumerate(placement):
+    for index, node in list(enumerate(placement))[:shards]:
         assert tier.nodes[int(node)].put(
-            token, [key], [stripe[index]], [0], [tier.clock.now()]
+            token, [key], [stripe[index]], [0], [tier.clock.now()], True
         ) == [True]
+
+
+def _committed_shards(tier: Tier) -> int:
+    return sum(int(node.usage()["shards"]) for node in tier.nodes.values())
 
 
 def test_a_writer_dying_mid_put_leaves_nothing_visible_ever(tier: Tier) -> None:
     key = _key(7)
-    _die_before_commit(tier, key, _payload(7))
+    _die_before_meta_commit(tier, key, _payload(7), shards=9)  # fewer than k
     assert tier.client.lookup([key]).hit_blocks == 0
     assert tier.client.get_blocks([key]) == [None]
-    for shard in range(tier.config.meta_shards):  # a restarted meta shard does not resurrect it
+    for shard in range(tier.config.meta_shards):  # 9 shards are no block: never restored
         tier.rebuild_meta(shard)
     assert tier.client.lookup([key]).hit_blocks == 0
     # the reservation ran out; a new writer stores the block normally
@@ -397,11 +417,32 @@ def test_a_writer_dying_mid_put_leaves_nothing_visible_ever(tier: Tier) -> None:
     assert tier.client.put_blocks([key], [_payload(8)]).ok
     got = tier.client.get_blocks([key])[0]
     assert _same(got, _payload(8))
-    # and the dead writer's pending shards are reclaimed after the grace period
-    tier.clock.advance(tier.config.orphan_grace_s + 1)
-    for node in tier.nodes.values():
-        node.reclaim_orphans(lambda keys: [True] * len(keys), tier.config.orphan_grace_s)
-        assert node.usage()["pending"] == 0
+    # its shards replaced the dead writer's on the same nodes: nothing is left to reclaim
+    assert _committed_shards(tier) == 12
+    assert tier.reclaim_orphans() == 0
+    assert _same(tier.client.get_blocks([key])[0], _payload(8))
+
+
+def test_a_whole_write_whose_writer_died_is_rebuilt_with_its_own_bytes_or_reclaimed(
+    tier: Tier,
+) -> None:
+    # Every shard durable, no meta commit: invisible. A meta shard's rebuild may bring it
+    # back (its own bytes, whole); where none does, the orphan scrub takes every shard.
+    def owner(key: bytes) -> int:
+        return int(tier.client._by_meta([key]).popitem()[0])
+
+    rebuilt = _key(7)
+    dropped = next(_key(i) for i in range(8, 200) if owner(_key(i)) != owner(rebuilt))
+    _die_before_meta_commit(tier, rebuilt, _payload(7), shards=12)
+    _die_before_meta_commit(tier, dropped, _payload(8), shards=12)
+    assert tier.client.lookup([rebuilt]).hit_blocks == 0
+    assert tier.client.lookup([dropped]).hit_blocks == 0
+    tier.rebuild_meta(owner(rebuilt))
+    assert _same(tier.client.get_blocks([rebuilt])[0], _payload(7))
+    assert tier.reclaim_orphans() == 12  # the dropped write's, none of the rebuilt block's
+    assert tier.client.lookup([dropped]).hit_blocks == 0
+    assert _committed_shards(tier) == 12
+    assert _same(tier.client.get_blocks([rebuilt])[0], _payload(7))
 
 
 def test_a_restarted_meta_shard_rebuilds_every_committed_block(tier: Tier) -> None:
@@ -430,15 +471,13 @@ def test_corrupt_and_foreign_shards_are_never_decoded_into_wrong_bytes(tier: Tie
     other = Codec().encode(_payload(1000), keys[0])
     second = tier.nodes[placement[1]]
     token = 77
-    second.put(token, [keys[0]], [other[1]], [0], [0.0])
-    second.commit(token, [keys[0]])
+    second.put(token, [keys[0]], [other[1]], [0], [0.0], True)
     got = tier.client.get_blocks([keys[0]])[0]
     assert _same(got, payloads[0])
     # two more foreign shards: 8 shards of the real payload remain -> a miss, not garbage
     for index in (2, 3):
         n = tier.nodes[placement[index]]
-        n.put(token, [keys[0]], [other[index]], [0], [0.0])
-        n.commit(token, [keys[0]])
+        n.put(token, [keys[0]], [other[index]], [0], [0.0], True)
     assert tier.client.get_blocks([keys[0]]) == [None]
     rest = tier.client.get_blocks(keys[1:])
     assert all(_same(g, p) for g, p in zip(rest, payloads[1:], strict=True))
@@ -491,12 +530,12 @@ def test_a_rewritten_block_reads_as_the_new_write_never_a_mix(tier: Tier) -> Non
     tier.client.put_blocks([key], [old])
     placement = tier.client.lookup([key]).lease.blocks[0].placement  # type: ignore[union-attr]
     shards = Codec().encode(new, key)
-    # A re-put commits the new write's shards over the old ones node by node: readers in
-    # between see whole shards of one write or the other, and only ever a block of one write.
+    # A re-put's shards replace the old ones node by node, each committed as it is written:
+    # readers in between see whole shards of one write or the other, and only ever a block of
+    # one write.
     for done, (index, node_id) in enumerate(zip(range(12), placement, strict=True), start=1):
         node = tier.nodes[int(node_id)]
-        assert node.put(9, [key], [shards[index]], [0], [2.0]) == [True]
-        assert node.commit(9, [key]) == [True]
+        assert node.put(9, [key], [shards[index]], [0], [2.0], True) == [True]
         block = tier.client.get_blocks([key])[0]
         if done <= 2:
             assert _same(block, old)  # 10 or 11 old shards still decode the old write

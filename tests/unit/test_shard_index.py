@@ -13,7 +13,7 @@ A, B = bytes([1]) * 32, bytes([2]) * 32
 
 
 def add(index: ShardIndex, keys: list[bytes], token: int, seg: int, body: int = 100) -> list[int]:
-    return index.add_pending(
+    return index.add(
         token, keys, seg=seg, offset=[64 + 1000 * n for n in range(len(keys))], body_len=body
     )
 

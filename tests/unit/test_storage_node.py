@@ -307,6 +307,44 @@ def test_a_newer_write_replaces_the_committed_shard_across_restarts(tmp_path: Pa
     assert bytes(_shards(again, [_key(1)])[0]) == bytes(_block(1)[2][3])  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("fsync", ["always", "batch", "never"])
+def test_a_put_with_commit_is_readable_at_once_and_stays_committed_across_restarts(
+    tmp_path: Path, fsync: str
+) -> None:
+    node = StorageNode(0, tmp_path, StorageNodeConfig(fsync=fsync, segment_bytes=64 * 1024))
+    _stored(node, [1], token=5)  # an older write of key 1, in two steps
+    blocks = [_block(i) for i in (1, 2, 3)]
+    keys = [b[0] for b in blocks]
+    assert node.put(6, keys, [b[2][3] for b in blocks], [1] * 3, [2000.0] * 3, True) == [True] * 3
+    assert node.usage()["pending"] == 0 and node.usage()["shards"] == 3
+    assert node.stats()["commits"] == 1 + 3
+    wanted = [bytes(b[2][3]) for b in blocks]  # the newer write replaced key 1's shard
+    assert [bytes(s) for s in _shards(node, keys)] == wanted  # type: ignore[arg-type]
+    record = RECORD_BYTES + CODEC.shard_length(4000)
+    usage = node.usage()
+    assert usage["live_bytes"] == 3 * record
+    # Dead: the replaced shard and its COMMIT mark; the new shards wrote no mark of their own.
+    assert usage["dead_bytes"] == SEGMENT_HEADER_BYTES + record + RECORD_BYTES
+    again = _reopen(node, tmp_path)
+    assert [bytes(s) for s in _shards(again, keys)] == wanted  # type: ignore[arg-type]
+    assert again.usage()["pending"] == 0 and again.usage()["shards"] == 3
+    assert again.commit(6, keys) == [False] * 3  # nothing pending to commit
+
+
+def test_a_pending_and_a_committed_put_of_one_key_replay_as_they_were(tmp_path: Path) -> None:
+    # The same writer's pending shard of a key, then a put of the key committed as written: the
+    # pending one stays (an orphan for the scrub) both live and after a replay of the log.
+    node = StorageNode(0, tmp_path, SMALL)
+    _put(node, 7, [1], index=2)
+    key, _, encoded = _block(1)
+    assert node.put(7, [key], [encoded[5]], [1], [1000.0], True) == [True]
+    state = (node.usage()["pending"], node.usage()["shards"], node.usage()["bytes_used"])
+    again = _reopen(node, tmp_path)
+    assert (again.usage()["pending"], again.usage()["shards"], again.usage()["bytes_used"]) == state
+    assert state[:2] == (1, 1)
+    assert bytes(_shards(again, [key])[0]) == bytes(encoded[5])  # type: ignore[arg-type]
+
+
 def test_a_segment_removed_behind_the_nodes_back_is_reported_by_the_next_scrub(
     tmp_path: Path,
 ) -> None:

@@ -129,8 +129,12 @@ def test_ten_live_nodes_are_fewer_than_min_write_shards_so_the_put_fails_cleanly
     result = tier.client.put_blocks(keys, payloads)
     assert result.failed == keys and result.stored == [] and result.under_redundant == []
     assert tier.client.lookup(keys).hit_blocks == 0
-    assert _committed_shards(tier) == 0  # pending only: orphans, never readable
     assert _meta_stat(tier, "blocks") == 0
+    # The shards the live nodes took (committed as written) are orphans: no placement names
+    # them, and the reservations were given back, so the scrub drops every one.
+    written = _committed_shards(tier)
+    assert written > 0 and tier.reclaim_orphans() == written
+    assert _committed_shards(tier) == 0
     tier.fanout.dead.clear()
     tier.client._retry_at.clear()
     again = tier.client.put_blocks(keys, payloads)  # the reservations were given back
@@ -143,7 +147,8 @@ def test_min_write_shards_12_makes_a_put_around_two_dead_nodes_fail(tmp_path: Pa
     keys, payloads = _blocks(8)
     result = tier.client.put_blocks(keys, payloads)
     assert result.failed == keys and result.stored == []
-    assert _committed_shards(tier) == 0
+    written = _committed_shards(tier)  # what the live nodes of the first placement took
+    assert written > 0 and tier.reclaim_orphans() == written and _committed_shards(tier) == 0
     # one dead node leaves 12 live: full stripes
     tier.fanout.dead.discard(node_target(1))
     tier.client._retry_at.clear()
@@ -152,31 +157,27 @@ def test_min_write_shards_12_makes_a_put_around_two_dead_nodes_fail(tmp_path: Pa
 
 
 class Faulty:
-    """A storage node whose ``put`` or ``commit`` fails: ``"raise"`` (the node went away
-    mid-call) or ``"refuse"`` (it answers False for every shard)."""
+    """A storage node whose ``put`` fails: ``"raise"`` (the node went away before writing),
+    ``"refuse"`` (it answers False for every shard) or ``"lose_reply"`` (it wrote the shards,
+    committed, and its answer was lost)."""
 
-    def __init__(self, node: StorageNode, put: str | None = None, commit: str | None = None):
+    def __init__(self, node: StorageNode, put: str) -> None:
         self.node = node
-        self.faults = {"put": put, "commit": commit}
+        self.fault = put
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.node, name)
 
-    def _fail(self, call: str, keys: Sequence[bytes]) -> list[bool] | None:
-        fault = self.faults[call]
-        if fault == "raise":
-            raise OSError(f"node {self.node.node_id} went away during {call}")
-        return [False] * len(keys) if fault == "refuse" else None
-
     def put(self, token: int, keys: Sequence[bytes], *rest: object) -> list[bool]:
-        return self._fail("put", keys) or self.node.put(token, keys, *rest)  # type: ignore[arg-type]
+        if self.fault == "refuse":
+            return [False] * len(keys)
+        if self.fault == "lose_reply":
+            self.node.put(token, keys, *rest)  # type: ignore[arg-type]
+        raise OSError(f"node {self.node.node_id} went away during put")
 
-    def commit(self, token: int, keys: Sequence[bytes]) -> list[bool]:
-        return self._fail("commit", keys) or self.node.commit(token, keys)
 
-
-def _faulty(tier: Tier, node: int, **faults: str) -> None:
-    tier.fanout.targets[node_target(node)] = Faulty(tier.nodes[node], **faults)
+def _faulty(tier: Tier, node: int, put: str) -> None:
+    tier.fanout.targets[node_target(node)] = Faulty(tier.nodes[node], put)
 
 
 def test_a_node_failing_mid_put_of_12_gives_11_shard_commits_without_it(tmp_path: Path) -> None:
@@ -189,8 +190,9 @@ def test_a_node_failing_mid_put_of_12_gives_11_shard_commits_without_it(tmp_path
     assert (placements[:, 11] == -1).all() and (placements[:, :11] >= 0).all()
     assert not (placements == 4).any()
     assert tier.client.down_nodes() == [4]
-    assert tier.nodes[4].usage()["pending"] == 0  # its put never ran
-    # the first attempt's shards were replaced by the second's: nothing left pending
+    assert tier.nodes[4].usage()["shards"] == 0  # its put never ran
+    # The second attempt's shards replaced the first's on every node: each holds one a block.
+    assert _committed_shards(tier) == 20 * 11
     assert sum(int(n.usage()["pending"]) for n in tier.nodes.values()) == 0
     assert reads_exact(tier, keys, payloads)
 
@@ -211,11 +213,11 @@ def test_a_node_refusing_its_shards_leaves_its_index_lost_and_the_rest_committed
     assert tier.nodes[4].usage()["shards"] == 0
 
 
-def test_a_node_failing_its_commit_leaves_its_shard_out_and_pending_until_reclaimed(
+def test_a_put_whose_answer_was_lost_leaves_its_shards_out_until_the_scrub_drops_them(
     tmp_path: Path,
 ) -> None:
     tier = Tier(tmp_path, nodes=12)
-    _faulty(tier, 7, commit="raise")
+    _faulty(tier, 7, put="lose_reply")
     keys, payloads = _blocks(20)
     result = tier.client.put_blocks(keys, payloads)
     assert result.stored == keys and result.under_redundant == keys
@@ -223,21 +225,24 @@ def test_a_node_failing_its_commit_leaves_its_shard_out_and_pending_until_reclai
     assert ((placements == -1).sum(axis=1) == 1).all() and not (placements == 7).any()
     assert reads_exact(tier, keys, payloads)
     node = tier.nodes[7]
-    assert node.usage()["pending"] == 20 and node.usage()["shards"] == 0
-    tier.clock.advance(tier.config.orphan_grace_s + 1)
-    node.reclaim_orphans(lambda batch: [False] * len(batch), tier.config.orphan_grace_s)
-    assert node.usage()["pending"] == 0
+    assert node.usage()["shards"] == 20  # written and committed, but no placement names them
+    assert tier.reclaim_orphans() == 20
+    assert node.usage()["shards"] == 0 and _committed_shards(tier) == 20 * 11
     assert reads_exact(tier, keys, payloads)
 
 
-def test_two_nodes_failing_commits_leave_10_acks_so_the_block_fails(tmp_path: Path) -> None:
+def test_two_nodes_refusing_leave_10_acks_so_the_block_fails_and_its_shards_are_reclaimed(
+    tmp_path: Path,
+) -> None:
     tier = Tier(tmp_path, nodes=12)
-    _faulty(tier, 3, commit="refuse")
-    _faulty(tier, 7, commit="refuse")
+    _faulty(tier, 3, put="refuse")
+    _faulty(tier, 7, put="refuse")
     keys, payloads = _blocks(5)
     result = tier.client.put_blocks(keys, payloads)
     assert result.failed == keys and result.stored == []
     assert tier.client.lookup(keys).hit_blocks == 0
+    assert _committed_shards(tier) == 5 * 10
+    assert tier.reclaim_orphans() == 5 * 10 and _committed_shards(tier) == 0
 
 
 def test_meta_commit_takes_rows_with_lost_shards_and_refuses_unreadable_or_doubled_ones(
