@@ -139,9 +139,14 @@ class SegmentLog:
         start = self._make_room(int(sizes.sum()))
         offsets = (start + np.cumsum(sizes) - sizes).tolist()
         segment = self._open
+        parts: list[object]
+        if _one_row_each(bodies, lengths):
+            parts = [_records(heads, bodies)]  # type: ignore[arg-type]
+        else:
+            parts = _interleaved(heads, bodies, lengths.tolist())
         try:
             segment.append(
-                _interleaved(heads, bodies, lengths.tolist()),
+                parts,
                 [entries_for(offsets, heads, bodies)],
                 self._syncs,
             )
@@ -228,6 +233,25 @@ class SegmentLog:
         """Close every file (the open segment stays unsealed: a restart scans its tail)."""
         for segment in self._segments.values():
             segment.close()
+
+
+def _one_row_each(bodies: Sequence[object], lengths: np.ndarray) -> bool:
+    """Whether ``bodies`` is one 2-D array whose rows are the records' bodies, whole."""
+    if not isinstance(bodies, np.ndarray) or bodies.ndim != 2 or not bodies.shape[1]:
+        return False
+    return bool((lengths == bodies.shape[1]).all())
+
+
+def _records(heads: bytes | bytearray, rows: np.ndarray) -> np.ndarray:
+    """Records whose bodies are the rows of one 2-D array (a client's put batch) as one buffer,
+    each header before its row: one copy of the batch (~0.1 ms for 64 shards of 11 KiB, while
+    its bytes are still in the cache from the receive) instead of a list of two buffers a
+    record, which the write walked in Python (~0.3 ms a batch)."""
+    count, width = rows.shape
+    out = np.empty((count, RECORD_BYTES + width), np.uint8)
+    out[:, :RECORD_BYTES] = np.frombuffer(heads, np.uint8).reshape(count, RECORD_BYTES)
+    out[:, RECORD_BYTES:] = rows
+    return out
 
 
 def _interleaved(

@@ -282,6 +282,22 @@ def test_a_batch_as_one_array_stores_what_a_list_stores(tmp_path: Path, fsync: s
     assert got[1:] == [None] * 7
 
 
+def test_a_batch_as_one_array_writes_the_bytes_a_list_writes(tmp_path: Path) -> None:
+    # A whole 2-D batch goes to the log as one buffer, each header before its row; a list goes
+    # as header and body buffers. The segment files must not tell them apart.
+    blocks = [_block(i) for i in range(8)]
+    keys = [b[0] for b in blocks]
+    shards = [b[2][i % 12] for i, b in enumerate(blocks)]
+    files = []
+    for name, batch in (("list", shards), ("rows", np.stack(shards))):
+        node = StorageNode(0, tmp_path / name, SMALL, ManualClock(5.0))
+        assert node.put(9, keys, batch, [1] * 8, [0.0] * 8, True) == [True] * 8
+        files.append([path.read_bytes() for path in _segment_paths(tmp_path / name)])
+        again = _reopen(node, tmp_path / name)
+        assert [bytes(s) for s in _shards(again, keys)] == [bytes(s) for s in shards]  # type: ignore[arg-type]
+    assert files[0] == files[1]
+
+
 def test_delete_respects_not_after_and_survives_restart(tmp_path: Path) -> None:
     node = StorageNode(0, tmp_path, SMALL)
     _stored(node, [1, 2])
