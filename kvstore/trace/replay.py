@@ -65,9 +65,9 @@ AUTO_TIME_BUDGET_S = 600.0
 #: and the GC's watermarks are divided by it, so the GC still holds the cache between
 #: ``gc_low`` and ``gc_high`` of the run's capacity while the nodes keep room for the writes
 #: that arrive during a GC pass (seconds under load). Without it a node fills up between passes
-#: and refuses shards; the put fails and its accepted shards stay pending on the other nodes for
-#: good (the tier neither aborts nor reclaims them), counted as live bytes, and the GC evicts
-#: real blocks in their place.
+#: and refuses shards; the put fails and its accepted shards stay on the other nodes, in no
+#: placement, for good (the tier neither deletes nor reclaims them), counted as live bytes, and
+#: the GC evicts real blocks in their place.
 NODE_HEADROOM = 1.25
 #: ... and room for this many seconds of the run's writes: a few GC passes under load.
 HEADROOM_S = 10.0
