@@ -436,7 +436,7 @@ class Repairer:
                     [shard for _, _, shard in batch],
                     [stripes[p][1].class_id for p, _, _ in batch],
                     [stripes[p][1].created for p, _, _ in batch],
-                    True,
+                    True,  # committed as written, as a client's put
                 )
                 put_tickets[ticket] = (node, batch)
         moves: list[tuple[int, tuple[bytes, int, int, int]]] = []
