@@ -48,7 +48,12 @@ find_xxh3(xxh3_t *x, const char *who)
     *(void **)&x->create_state = dlsym(library, "XXH3_createState");
     *(void **)&x->free_state = dlsym(library, "XXH3_freeState");
     *(void **)&x->reset = dlsym(library, "XXH3_64bits_reset");
-    *(void **)&x->update = dlsym(library, "XXH3_64bits_update");
+    /* The dispatching update picks the widest vector unit the CPU has at run time (AVX2 or
+     * AVX-512 where there is one); the plain one is built for SSE2 only and hashes at about
+     * half the speed. Both compute the same digest; older xxhash builds lack the first. */
+    *(void **)&x->update = dlsym(library, "XXH3_64bits_update_dispatch");
+    if (x->update == NULL)
+        *(void **)&x->update = dlsym(library, "XXH3_64bits_update");
     *(void **)&x->digest = dlsym(library, "XXH3_64bits_digest");
     if (!x->create_state || !x->free_state || !x->reset || !x->update || !x->digest) {
         PyErr_Format(PyExc_ImportError, "%s: the xxhash extension exports no xxh3", who);
