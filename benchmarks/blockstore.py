@@ -10,7 +10,12 @@ a user would pick instead. The client is the ordinary ``BlockStoreClient`` of th
 gets crosses a process boundary, like a client on a machine without storage nodes.
 
 Rows (1 GB = 10^9 bytes of block payload; median over the timed batches):
-- put: ``put_blocks`` of a batch of fresh keys vs one pipelined Redis SET of the same batch;
+- put: ``put_blocks`` of a batch of fresh keys vs one pipelined Redis SET of the same batch,
+  into a tier that already holds data: before the put rows the tier is filled, untimed, past
+  every node's page-cache bound (``StorageNodeConfig.cached_log_bytes``), as a deployed tier
+  is, and the disk line's file likewise (``--fill-gb``; its figures are printed). A put into
+  an empty tier on a fresh VM writes into memory the machine never touched, which costs its
+  nodes several times the CPU (``kvstore/blockstore/segmentlog.py``); ``--fill-gb 0`` shows it;
 - get: ``lookup`` once (the lease an engine would hold, not timed), then ``read`` of the batch
   (``get_blocks`` plus which blocks were degraded) vs one pipelined Redis GET of the same
   batch; half the batches before and half after the degraded phase (the killed nodes started
@@ -76,6 +81,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.blockstore_cpu import Case, CpuGroups, PhaseCpu, timed  # noqa: E402
+from benchmarks.blockstore_disk import DiskLine  # noqa: E402
 from benchmarks.blockstore_paths import DirectPath, Gateway, GatewayPath  # noqa: E402
 from benchmarks.peers import Redis, peer_redis  # noqa: E402
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig  # noqa: E402
@@ -124,7 +130,15 @@ class Bench:
         self.args = args
         self.gateway = gateway
         self.data_root = data_root
-        self.ceiling_fd = -1
+        nodes = handles.config
+        cached = nodes.node.cached_log_bytes
+        self.disk_line = DiskLine(
+            os.path.join(data_root, "disk-ceiling.bin"),
+            args.fsync,
+            None if cached is None else cached * nodes.storage_nodes,
+        )
+        #: What ``fill`` put before the put rows (``summary`` of its batches, CPU included).
+        self.filled: dict[str, Any] = {}
         self.handles = handles
         self.redis = redis
         self.client = handles.client()
@@ -176,7 +190,7 @@ class Bench:
         ours, peer = self.case("put", label, "kvstore"), self.case("put", label, "redis")
         disk = self.case("put", label, "disk")
         # What the 12 nodes write for one batch (every shard, headers included), appended by
-        # one process to one fresh file with one flush: the disk's own ceiling for the put.
+        # one process to one file with one flush: the disk's own ceiling for the put.
         width = self.handles.config.stripe_width
         shard = Codec(self.handles.config.data_shards, 2).shard_length(SIZES[label])
         stripe_bytes = np.frombuffer(os.urandom(len(payloads) * width * shard), np.uint8)
@@ -194,7 +208,7 @@ class Bench:
             with self.measure(peer, timed_run):
                 self.redis.set_many(redis_keys, raw)
             with self.measure(disk, timed_run):
-                self.append_to_disk(stripe_bytes)
+                self.disk_line.append(stripe_bytes)
             if index == 0:  # the get workload, in both stores
                 self.workload[label] = (keys, payloads)
             else:
@@ -202,15 +216,39 @@ class Bench:
 
         self.loop(body, self.args.runs, ours, peer)
 
-    def append_to_disk(self, data: np.ndarray) -> None:
-        """Append ``data`` to this run's ceiling file in the data root (one write, then one
-        ``fdatasync`` unless ``--fsync never``), as a node's log does with a batch."""
-        if self.ceiling_fd < 0:
-            path = os.path.join(self.data_root, "disk-ceiling.bin")
-            self.ceiling_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.write(self.ceiling_fd, data)  # type: ignore[arg-type]
-        if self.args.fsync != "never":
-            os.fdatasync(self.ceiling_fd)
+    def fill(self) -> None:
+        """Before the put rows, untimed: put batches of 111 KiB blocks until the tier holds
+        ``--fill-gb`` (by default enough to take every node past its page-cache bound,
+        ``cached_log_bytes``, with a quarter to spare), and append as much to the disk line.
+        The put rows then measure a tier as a deployment runs it, holding data, its nodes
+        writing into memory they gave back, instead of an empty tier on a machine whose memory
+        was never touched. Its own batches are summarised (``filled``), CPU included."""
+        config = self.handles.config
+        cached = config.node.cached_log_bytes
+        goal = self.args.fill_gb * 1e9
+        if self.args.fill_gb < 0:  # the default: past every node's bound
+            goal = 0 if cached is None else 1.25 * cached * config.storage_nodes
+        payloads = self.payloads(SMALL)
+        batch = Case(SIZES[SMALL] * len(payloads))
+        shard = Codec(config.data_shards, config.parity_shards).shard_length(SIZES[SMALL])
+        stripes = np.frombuffer(os.urandom(len(payloads) * config.stripe_width * shard), np.uint8)
+        count = int(-(-goal // batch.nbytes))
+        if not count:
+            return
+        gb = count * batch.nbytes / 1e9
+        print(f"filling the tier first: {count} batches, {gb:.1f} GB", file=sys.stderr)
+        phase = PhaseCpu(self.groups, self.redis.pid)
+        phase.start()
+        for _ in range(count):
+            keys = [os.urandom(32) for _ in payloads]
+            with timed(batch):
+                result = self.client.put_blocks(keys, payloads)
+            if not result.ok:
+                raise RuntimeError(f"fill: {len(result.failed)} of {len(keys)} blocks failed")
+        phase.stop(batch, None)
+        for _ in range(count):
+            self.disk_line.append(stripes)
+        self.filled = batch.summary()
 
     def get_phase(self, label: str, row: str, runs: int) -> None:
         keys, payloads = self.workload[label]
@@ -324,6 +362,7 @@ class Bench:
 
     def run(self) -> None:
         half = max(2, self.args.runs // 2)
+        self.fill()
         for label in SIZES:
             self.put_phase(label)
         for label in SIZES:
@@ -351,9 +390,14 @@ class Bench:
 
 
 def store_config(args: argparse.Namespace, data_root: str) -> BlockStoreConfig:
+    cached: dict[str, int | None] = {}  # the nodes' own default unless --cached-log-mib
+    if args.cached_log_mib == "none":
+        cached["cached_log_bytes"] = None
+    elif args.cached_log_mib:
+        cached["cached_log_bytes"] = int(args.cached_log_mib) * 2**20
     return BlockStoreConfig(
         data_root=data_root,
-        node=StorageNodeConfig(fsync=args.fsync),
+        node=StorageNodeConfig(fsync=args.fsync, **cached),
         call_timeout_s=args.call_timeout,
         deployment="bench",
     )
@@ -375,6 +419,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             deployed = time.monotonic()
             bench = Bench(args, handles, redis, data_root, gateway)
             bench.run()
+            bench.disk_line.close()
             results = report(args, config, bench)
             results["config"]["hiredis"] = redis.hiredis
             results["config"]["deploy_s"] = deployed - started
@@ -470,6 +515,8 @@ def report(args: argparse.Namespace, config: BlockStoreConfig, bench: Bench) -> 
             "client": "handles.client(), no storage node in the client process",
             "node_pids_from": bench.groups.pid_source,
             "cpus": os.cpu_count(),
+            "cached_log_bytes": config.node.cached_log_bytes,
+            "fill": bench.filled,
         },
         "rows": rows,
         "lookup_p50_ms": {
@@ -603,8 +650,19 @@ def table(results: dict[str, Any]) -> str:
         lines += [
             "",
             "disk ceiling, same run: one process appending the bytes the 12 nodes write for a "
-            f"put batch (every shard), one flush per batch (fsync={cfg['fsync']}): "
-            + "; ".join(ceilings),
+            f"put batch (every shard), one flush per batch (fsync={cfg['fsync']}), keeping "
+            "the nodes' page-cache bound (benchmarks/blockstore_disk.py): " + "; ".join(ceilings),
+        ]
+    fill = cfg.get("fill") or {}
+    if fill.get("batches"):
+        bound = cfg["cached_log_bytes"]
+        lines += [
+            "",
+            f"before the put rows, untimed: the tier filled with {fill['gb_moved']:.1f} GB of "
+            f"111 KiB blocks at {fill['gbps']:.3f} GB/s, "
+            f"{sum(fill['cpu_s_per_gb'].values()):.2f} CPU-s/GB over all processes, past each "
+            f"node's page-cache bound ({_fmt(bound and bound / 2**20, '.0f')} MiB), as a "
+            "deployed tier is; the disk line's file likewise (--fill-gb 0: an empty tier)",
         ]
     halves = [
         f"{e['block']} {_fmt(h[0], '.1f')} / {_fmt(h[1], '.1f')} ms"
@@ -651,6 +709,7 @@ def across_hosts(args: argparse.Namespace) -> dict[str, Any]:
     passed = ["--runs", str(args.runs), "--case-seconds", str(args.case_seconds)]
     passed += ["--batch", str(args.batch), "--batch-large", str(args.batch_large)]
     passed += ["--fsync", args.fsync, "--call-timeout", str(args.call_timeout)]
+    passed += ["--fill-gb", str(args.fill_gb), "--cached-log-mib", args.cached_log_mib]
     passed += ["--no-degraded-put"] if args.no_degraded_put else []
     with cross_host_testbed() as (bed, redis):
         argv = [str(Path(__file__).resolve()), "--join", bed.ray.address, "--redis", redis]
@@ -686,6 +745,19 @@ def main() -> int:
     parser.add_argument(
         "--no-degraded-put", action="store_true", help="skip the put with 2 nodes killed"
     )
+    parser.add_argument(
+        "--fill-gb",
+        type=float,
+        default=-1.0,
+        help="GB of 111 KiB blocks put (untimed) before the put rows, so they measure a tier "
+        "holding data; default: enough to pass every node's page-cache bound; 0: an empty tier",
+    )
+    parser.add_argument(
+        "--cached-log-mib",
+        default="",
+        help="each node's page-cache bound (StorageNodeConfig.cached_log_bytes) in MiB, or "
+        "'none' (no bound: the kernel decides, as before 2026-12-05); default: the nodes' own",
+    )
     parser.add_argument("--zstd", action="store_true", help="also measure zstd on KV-like bytes")
     parser.add_argument("--data-root", default=None, help="parent dir of the node data dirs")
     parser.add_argument(
@@ -701,6 +773,8 @@ def main() -> int:
         parser.error("--runs must be >= 4")
     if args.batch < 1 or args.batch_large < 1:
         parser.error("batches must hold at least one block")
+    if args.cached_log_mib not in ("", "none") and not args.cached_log_mib.isdigit():
+        parser.error("--cached-log-mib must be a number of MiB or 'none'")
     # Ray prints cluster warnings to stdout; keep stdout for the table / JSON alone.
     with contextlib.redirect_stdout(sys.stderr):
         results = across_hosts(args) if args.hosts else run(args)

@@ -62,6 +62,13 @@ class StorageNodeConfig:
     #: share of its size or ``disk_reserve_bytes``, whichever is larger.
     disk_reserve_fraction: float = 0.10
     disk_reserve_bytes: int = 1024 * _MIB
+    #: The newest bytes of its log this node keeps in the page cache. Appending past them, it
+    #: drops the oldest from the cache, so its writes reuse memory it freed instead of taking
+    #: memory the machine never touched (on a VM whose host takes back unused guest memory,
+    #: filling such a page costs ~5x a reused one), and its share of the machine's memory stays
+    #: bounded. Blocks read soon after they were written come from memory; older ones from the
+    #: disk (``docs/block-tier.md``, "The page cache"). None: no bound, the kernel decides.
+    cached_log_bytes: int | None = 256 * _MIB
 
     def __post_init__(self) -> None:
         if self.fsync not in _FSYNC_POLICIES:
@@ -83,6 +90,8 @@ class StorageNodeConfig:
         ):
             raise ConfigError("disk_reserve_fraction", f"must be in [0, 1), got {fraction!r}")
         _non_negative_int("disk_reserve_bytes", self.disk_reserve_bytes)
+        if self.cached_log_bytes is not None:
+            _non_negative_int("cached_log_bytes", self.cached_log_bytes)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,10 @@ class LogFile(Protocol):
 
     def end_writes(self) -> None: ...
 
+    def drop_cached(self, offset: int, length: int) -> None:
+        """Let the page cache drop these bytes (advice: pages still dirty stay)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -128,6 +132,9 @@ class DiskFile:
         if self._write_fd >= 0:
             os.close(self._write_fd)
         self._write_fd = -1
+
+    def drop_cached(self, offset: int, length: int) -> None:
+        os.posix_fadvise(self._read_fd, offset, length, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         self.end_writes()
@@ -231,6 +238,10 @@ class MemoryFile:
     def end_writes(self) -> None:
         self._writable = False
 
+    def drop_cached(self, offset: int, length: int) -> None:
+        self._data  # noqa: B018  # a closed file raises, as a descriptor would
+        self._files.dropped.append((self._name, offset, length))
+
     def close(self) -> None:
         self._closed = True
 
@@ -238,12 +249,14 @@ class MemoryFile:
 class MemoryFiles:
     """A directory of segment files in memory: what the log's unit tests run it over. Tests
     reach the bytes through ``data`` (tear a tail, flip a byte) and count ``writes``;
-    ``fail_writes`` makes every write raise, as a full disk does."""
+    ``fail_writes`` makes every write raise, as a full disk does; ``dropped`` lists the
+    (name, offset, length) the log let the page cache drop."""
 
     def __init__(self) -> None:
         self.data: dict[str, bytearray] = {}
         self.writes = 0
         self.fail_writes = False
+        self.dropped: list[tuple[str, int, int]] = []
 
     def names(self) -> list[str]:
         return sorted(self.data)

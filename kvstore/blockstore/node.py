@@ -176,6 +176,7 @@ class StorageNode:
             fsync=self.config.fsync,
             clock=self._clock,
             label=label,
+            cached_bytes=self.config.cached_log_bytes,
         )
         self._counters["damaged_records"] = self._log.damaged_records
         self._index = ShardIndex()

@@ -52,6 +52,9 @@ def test_node_config_is_validated() -> None:
         StorageNodeConfig(fsync="sometimes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="capacity_bytes"):
         StorageNodeConfig(capacity_bytes=0)
+    with pytest.raises(ConfigError, match="cached_log_bytes"):
+        StorageNodeConfig(cached_log_bytes=-1)
+    assert StorageNodeConfig(cached_log_bytes=None).cached_log_bytes is None  # no bound
     with pytest.raises(ConfigError, match="traffic_class"):
         BlockStoreConfig().class_id("bulk")
 
@@ -64,8 +67,10 @@ def test_from_env_and_from_mapping() -> None:
             "KVSTORE_BLOCKSTORE_TRAFFIC_CLASSES": "default, agent",
             "KVSTORE_BLOCKSTORE_NODE_FSYNC": "never",
             "KVSTORE_BLOCKSTORE_DATA_ROOT": "/data/blocks",
+            "KVSTORE_BLOCKSTORE_NODE_CACHED_LOG_BYTES": "67108864",
         }
     )
+    assert config.node.cached_log_bytes == 64 << 20
     assert config.storage_nodes == 14 and config.lease_seconds == 12.5
     assert config.traffic_classes == ("default", "agent")
     assert config.node.fsync == "never" and config.data_root == "/data/blocks"

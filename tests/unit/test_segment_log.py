@@ -5,11 +5,17 @@ write leaving nothing behind."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
 import pytest
 import xxhash
 from segment_records import BODY_BYTES, key, marks, shards
 
-from kvstore.blockstore.logfiles import MemoryFiles
+from kvstore.blockstore.logfiles import DiskFiles, MemoryFiles
 from kvstore.blockstore.segmentlog import AppendFailed, SegmentLog
 from kvstore.blockstore.segments import (
     COMMIT,
@@ -23,6 +29,7 @@ from kvstore.blockstore.segments import (
     segment_name,
 )
 from kvstore.clock import ManualClock
+from kvstore.privatefs import PrivateDir
 
 RECORD = RECORD_BYTES + BODY_BYTES
 
@@ -180,3 +187,90 @@ def test_removing_a_sealed_segment_removes_its_file_but_never_the_open_one() -> 
         log.remove(log.open_seq)
     assert not log.read(1, SEGMENT_HEADER_BYTES, 1, memoryview(bytearray(1)))
     assert [r[3] for r in records(log)] == [key(2)]
+
+
+# --- the page cache holds only the newest appends ----------------------------------------------
+
+
+def test_the_page_cache_is_told_to_drop_the_oldest_appends_past_the_bound() -> None:
+    files = MemoryFiles()
+    batch = 2 * RECORD
+    log = SegmentLog(
+        files,
+        segment_bytes=SEGMENT_HEADER_BYTES + 3 * batch,
+        fsync="batch",
+        clock=ManualClock(),
+        cached_bytes=2 * batch,
+    )
+    placed = [shards(log, [key(2 * n), key(2 * n + 1)])[:2] for n in range(5)]
+    # Five batches of two records, three a segment: the oldest three were let go, in order,
+    # each as the range its batch was written to; the newest two are kept.
+    assert files.dropped == [(segment_name(seq), offsets[0], batch) for seq, offsets in placed[:3]]
+    log.remove(1)  # a segment compaction emptied: nothing of it is left to drop
+    shards(log, [key(20), key(21)])
+    assert files.dropped[3:] == [(segment_name(placed[3][0]), placed[3][1][0], batch)]
+    assert len(records(log)) == 6  # what was let go is still there: the cache is not the log
+
+
+def test_without_a_bound_nothing_is_dropped() -> None:
+    files = MemoryFiles()
+    log = open_log(files)  # cached_bytes None
+    for n in range(20):
+        shards(log, [key(n)])
+    assert files.dropped == []
+
+
+def _resident_pages(path: str, offset: int, length: int) -> int:
+    """How many of the pages wholly inside [offset, offset + length) of the file are in the
+    page cache (``mincore`` over a mapping that is never touched)."""
+    page = mmap.PAGESIZE
+    first, end = -(-offset // page), (offset + length) // page
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        address = np.frombuffer(mapped, np.uint8).ctypes.data + first * page
+        pages = (ctypes.c_ubyte * (end - first))()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        if libc.mincore(ctypes.c_void_p(address), (end - first) * page, pages) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        return sum(bit & 1 for bit in pages)
+    finally:
+        mapped.close()
+
+
+def test_on_disk_pages_past_the_bound_leave_the_page_cache_and_their_bytes_stay(
+    tmp_path: Path,
+) -> None:
+    probe = tmp_path / "probe"
+    probe.write_bytes(os.urandom(1 << 20))
+    with open(probe, "rb+") as handle:
+        os.fdatasync(handle.fileno())
+        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if _resident_pages(str(probe), 0, 1 << 20):
+        pytest.skip("this filesystem keeps its pages whatever it is told (tmpfs)")
+    directory = PrivateDir.open(tmp_path / "segments", "segments", check_parent=False)
+    log = SegmentLog(
+        DiskFiles(directory),
+        segment_bytes=64 << 20,
+        fsync="batch",
+        clock=ManualClock(),
+        cached_bytes=1 << 20,
+    )
+    body = 256 << 10
+    placed = [shards(log, [key(n)], body_bytes=body) for n in range(8)]
+    path = log.where(log.open_seq)
+    record = RECORD_BYTES + body
+    pages = body // mmap.PAGESIZE
+    # 1 MiB holds the newest three records: the first five left the cache (a page or two at
+    # each edge may stay), the newest three did not.
+    assert _resident_pages(path, placed[0][1][0], 5 * record) <= 10
+    assert _resident_pages(path, placed[5][1][0], 3 * record) >= 3 * pages - 3
+    for seq, offsets, bodies in placed:  # and every byte is still there, read from the disk
+        into = bytearray(body)
+        assert log.read(seq, offsets[0] + RECORD_BYTES, body, memoryview(into))
+        assert bytes(into) == bodies[0]
+    log.close()
