@@ -130,12 +130,12 @@ class Bench:
         self.args = args
         self.gateway = gateway
         self.data_root = data_root
-        nodes = handles.config
-        cached = nodes.node.cached_log_bytes
+        config = handles.config
+        cached = config.node.cached_log_bytes
         self.disk_line = DiskLine(
             os.path.join(data_root, "disk-ceiling.bin"),
             args.fsync,
-            None if cached is None else cached * nodes.storage_nodes,
+            None if cached is None else cached * config.storage_nodes,
         )
         #: What ``fill`` put before the put rows (``summary`` of its batches, CPU included).
         self.filled: dict[str, Any] = {}
@@ -184,16 +184,20 @@ class Bench:
         size = SIZES[label]
         return [self.rng.integers(0, 256, size, dtype=np.uint8) for _ in range(self.batch[label])]
 
+    def stripe_bytes(self, label: str) -> np.ndarray:
+        """As many bytes as the 12 nodes write for a batch of ``label`` blocks (every shard,
+        headers included): what the disk line appends for it."""
+        config = self.handles.config
+        shard = Codec(config.data_shards, config.parity_shards).shard_length(SIZES[label])
+        return np.frombuffer(os.urandom(self.batch[label] * config.stripe_width * shard), np.uint8)
+
     def put_phase(self, label: str) -> None:
         payloads = self.payloads(label)
         raw = [p.tobytes() for p in payloads]
         ours, peer = self.case("put", label, "kvstore"), self.case("put", label, "redis")
         disk = self.case("put", label, "disk")
-        # What the 12 nodes write for one batch (every shard, headers included), appended by
-        # one process to one file with one flush: the disk's own ceiling for the put.
-        width = self.handles.config.stripe_width
-        shard = Codec(self.handles.config.data_shards, 2).shard_length(SIZES[label])
-        stripe_bytes = np.frombuffer(os.urandom(len(payloads) * width * shard), np.uint8)
+        # Appended by one process to one file with one flush: the disk's own ceiling for the put.
+        stripe_bytes = self.stripe_bytes(label)
 
         def body(index: int, timed_run: bool) -> None:
             keys = [os.urandom(32) for _ in payloads]
@@ -228,13 +232,12 @@ class Bench:
         goal = self.args.fill_gb * 1e9
         if self.args.fill_gb < 0:  # the default: past every node's bound
             goal = 0 if cached is None else 1.25 * cached * config.storage_nodes
-        payloads = self.payloads(SMALL)
-        batch = Case(SIZES[SMALL] * len(payloads))
-        shard = Codec(config.data_shards, config.parity_shards).shard_length(SIZES[SMALL])
-        stripes = np.frombuffer(os.urandom(len(payloads) * config.stripe_width * shard), np.uint8)
+        batch = Case(SIZES[SMALL] * self.batch[SMALL])
         count = int(-(-goal // batch.nbytes))
         if not count:
             return
+        payloads = self.payloads(SMALL)
+        stripes = self.stripe_bytes(SMALL)
         gb = count * batch.nbytes / 1e9
         print(f"filling the tier first: {count} batches, {gb:.1f} GB", file=sys.stderr)
         phase = PhaseCpu(self.groups, self.redis.pid)

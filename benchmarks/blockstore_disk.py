@@ -5,17 +5,17 @@ Each put batch's stripes (every shard of every block, as the 12 storage nodes wr
 appended to one file in the run's data root: one write and, unless ``fsync`` is ``never``, one
 ``fdatasync`` a batch, as a node's log appends a batch. Like the nodes' logs it keeps only its
 newest ``cached`` bytes in the page cache (the nodes' ``cached_log_bytes``, all of them
-together), letting older pages go after their flush, so both write into memory they gave back
-rather than memory the machine never touched (which costs several times as much on a VM whose
-host reclaims unused guest memory: ``kvstore/blockstore/segmentlog.py``).
+together; ``kvstore/blockstore/segmentlog.py`` says why), letting older pages go after their
+flush.
 """
 
 from __future__ import annotations
 
 import os
-from collections import deque
 
 import numpy as np
+
+from kvstore.blockstore.logfiles import CacheBound
 
 
 class DiskLine:
@@ -24,11 +24,9 @@ class DiskLine:
         bound)."""
         self._path = path
         self._fsync = fsync
-        self._cached = cached
         self._fd = -1
         self._size = 0
-        self._held: deque[tuple[int, int]] = deque()  # (offset, length), oldest first
-        self._held_bytes = 0
+        self._cached = CacheBound(cached)
 
     def append(self, data: np.ndarray) -> None:
         if self._fd < 0:
@@ -38,13 +36,9 @@ class DiskLine:
             raise OSError(f"{self._path}: a short write ({written} of {data.nbytes} bytes)")
         if self._fsync != "never":
             os.fdatasync(self._fd)
-        self._held.append((self._size, written))
-        self._held_bytes += written
-        self._size += written
-        while self._cached is not None and self._held_bytes > self._cached:
-            offset, length = self._held.popleft()
-            self._held_bytes -= length
+        for _, offset, length in self._cached.appended(0, self._size, written):
             os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
+        self._size += written
 
     def close(self) -> None:
         if self._fd >= 0:

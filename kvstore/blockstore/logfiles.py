@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -278,3 +279,26 @@ class MemoryFiles:
 
     def where(self, name: str) -> str:
         return f"memory:{name}"
+
+
+class CacheBound:
+    """Which appends to keep in the page cache: the newest ``bound`` bytes (None: all).
+    ``appended`` notes one append (to file ``file``: any id the caller uses) and returns the
+    oldest appends now past the bound, whose pages the caller lets go (``segmentlog.py`` says
+    why)."""
+
+    def __init__(self, bound: int | None) -> None:
+        self._bound = bound
+        self._held: deque[tuple[int, int, int]] = deque()  # (file, offset, length), oldest first
+        self._held_bytes = 0
+
+    def appended(self, file: int, offset: int, length: int) -> list[tuple[int, int, int]]:
+        if self._bound is None:
+            return []
+        self._held.append((file, offset, length))
+        self._held_bytes += length
+        past = []
+        while self._held_bytes > self._bound:
+            past.append(self._held.popleft())
+            self._held_bytes -= past[-1][2]
+        return past

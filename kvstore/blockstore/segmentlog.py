@@ -26,12 +26,11 @@ Not thread-safe: the node that owns it serializes calls.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.blockstore.logfiles import LogFiles
+from kvstore.blockstore.logfiles import CacheBound, LogFiles
 from kvstore.blockstore.segments import (
     RECORD_BYTES,
     RECORD_DTYPE,
@@ -75,10 +74,7 @@ class SegmentLog:
         self._fsync = fsync
         self._clock = clock
         self._label = label
-        self._cache_bound = cached_bytes
-        #: (segment seq, offset, length) of the appends still in the page cache, oldest first.
-        self._cached: deque[tuple[int, int, int]] = deque()
-        self._cached_total = 0
+        self._cached = CacheBound(cached_bytes)
         self._segments: dict[int, Segment] = {}
         self._next_lsn = 1
         #: Records and spans found damaged when the log was read back.
@@ -168,25 +164,19 @@ class SegmentLog:
             )
         except OSError as error:
             raise AppendFailed(str(error)) from error
-        self._keep_cached(segment.seq, start, segment.size - start)
+        for seq, offset, length in self._cached.appended(segment.seq, start, segment.size - start):
+            self._drop_cached(seq, offset, length)
         return segment.seq, offsets
 
-    def _keep_cached(self, seq: int, offset: int, length: int) -> None:
-        """Note an append; let the page cache drop the oldest appends past the bound."""
-        if self._cache_bound is None:
+    def _drop_cached(self, seq: int, offset: int, length: int) -> None:
+        """Let the page cache drop an old append's pages (advice: failing it is no error)."""
+        segment = self._segments.get(seq)
+        if segment is None:  # removed since (compaction): its pages went with it
             return
-        self._cached.append((seq, offset, length))
-        self._cached_total += length
-        while self._cached_total > self._cache_bound:
-            seq, offset, length = self._cached.popleft()
-            self._cached_total -= length
-            segment = self._segments.get(seq)
-            if segment is None:  # removed since (compaction): its pages went with it
-                continue
-            try:
-                segment.file.drop_cached(offset, length)
-            except OSError as error:  # advice only: the kernel will evict them some time
-                log.debug("%s: dropping cached pages of %d: %s", self._label, seq, error)
+        try:
+            segment.file.drop_cached(offset, length)
+        except OSError as error:  # the kernel will evict them some time
+            log.debug("%s: dropping cached pages of %d: %s", self._label, seq, error)
 
     def _make_room(self, size: int) -> int:
         """Where a batch of ``size`` bytes goes in the open segment (rolled first if need be)."""
