@@ -1,6 +1,8 @@
 """Scenario 8, ``writer``: writer processes killed in the middle of their puts.
 
-Four writer actors are killed by ``ray.kill`` at random moments of a put loop, and one dies at
+Four writer actors are killed by ``ray.kill`` at random moments of a put loop (once each has
+stored a random part of its blocks, so the kill lands in the loop however fast puts are), and one
+dies at
 the worst moment on purpose: with every shard written, and so committed, on its node but the
 block not yet in its meta shard's index. Afterwards each block a writer attempted is either fully
 visible and bit-exact or a clean miss, and once the writers' reservations lapse the orphan scrub
@@ -33,6 +35,11 @@ WRITER_BLOCKS = 480
 WRITER_BATCH = 8
 #: Where a writer dies on purpose (None: wherever the kill finds it).
 DIE_AT = (None, None, None, None, "_commit_in_meta")
+#: A killed writer is killed once it has stored this many blocks or more (at random in the
+#: range): at most a quarter of its blocks, so most of its loop is still ahead of the kill.
+KILL_AFTER_BLOCKS = (WRITER_BATCH, WRITER_BLOCKS // 4)
+#: How often the driver asks a writer how far it got.
+PROGRESS_POLL_S = 0.002
 
 
 def writer_key(writer: int, seed: int, index: int) -> BlockKey:
@@ -60,17 +67,34 @@ class ChaosWriter:
         client_class = _dying_client(die_at)
         self._client = client_class(config, handles.fanout(), node_ids=sorted(handles.nodes))
         self._block_bytes = block_bytes
+        self._stored = 0
 
     def ping(self) -> bool:
         return True
 
+    def progress(self) -> int:
+        """Blocks stored so far."""
+        return self._stored
+
     def run(self, writer: int, seed: int) -> int:
-        done = 0
+        # Payloads are made up front, so the loop the kill lands in is puts and nothing else.
+        keys = [writer_key(writer, seed, i) for i in range(WRITER_BLOCKS)]
+        payloads = [payload_for(key, self._block_bytes) for key in keys]
         for start in range(0, WRITER_BLOCKS, WRITER_BATCH):
-            keys = [writer_key(writer, seed, i) for i in range(start, start + WRITER_BATCH)]
-            payloads = [payload_for(key, self._block_bytes) for key in keys]
-            done += len(self._client.put_blocks(keys, payloads).stored)
-        return done
+            batch = slice(start, start + WRITER_BATCH)
+            self._stored += len(self._client.put_blocks(keys[batch], payloads[batch]).stored)
+        return self._stored
+
+
+def _kill_once_progressed(actor: Any, run: Any, target: int) -> None:
+    """``ray.kill`` the writer once it has stored ``target`` blocks (or at once if it finished)."""
+    deadline = time.monotonic() + 120.0
+    while time.monotonic() < deadline:
+        ready, _ = ray.wait([run], timeout=0)
+        if ready or ray.get(actor.progress.remote(), timeout=60) >= target:
+            break
+        time.sleep(PROGRESS_POLL_S)
+    ray.kill(actor, no_restart=True)
 
 
 def writer_killed(tier: ChaosTier) -> ScenarioResult:
@@ -84,13 +108,13 @@ def writer_killed(tier: ChaosTier) -> ScenarioResult:
     outcomes = []
     for writer, die_at in enumerate(DIE_AT):
         actor = ChaosWriter.options(  # type: ignore[attr-defined]
-            **pin_to_machine(machines[writer % len(machines)])
+            max_concurrency=2,  # two threads: ``progress`` answers while ``run`` puts
+            **pin_to_machine(machines[writer % len(machines)]),
         ).remote(tier.blockstore_config, die_at, config.block_bytes)
         ray.get(actor.ping.remote(), timeout=120)
         run = actor.run.remote(writer, config.seed)
         if die_at is None:
-            time.sleep(rng.uniform(0.2, 1.0))
-            ray.kill(actor, no_restart=True)
+            _kill_once_progressed(actor, run, rng.randint(*KILL_AFTER_BLOCKS))
         try:
             stored = ray.get(run, timeout=config.repair_timeout_s)
             outcomes.append(f"finished ({stored} blocks)")
