@@ -44,8 +44,8 @@ import dataclasses
 import functools
 import math
 import struct
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, overload
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -116,35 +116,6 @@ def register(cls: D) -> D:
     _BY_NAME[name] = cls
     _BY_TYPE[cls] = (name.encode(), fields)
     return cls
-
-
-class Stacked(Sequence[np.ndarray]):
-    """Equal-length 1-D arrays of one dtype that cross the wire as one 2-D array (a row each)
-    without being copied into one first: the frame's scatter-gather parts take each row's
-    memory as it is, and the peer decodes an ordinary array (tag ``a``). A storage node gets
-    its shards of a put so (one item to decode and check, ``StorageNode.put``) while the
-    client's shards stay rows of their stripes. Anywhere else (a local call, a pickle through
-    Ray) ``array()`` stacks them."""
-
-    __slots__ = ("rows",)
-
-    def __init__(self, rows: list[np.ndarray]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    @overload
-    def __getitem__(self, index: int) -> np.ndarray: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[np.ndarray]: ...
-
-    def __getitem__(self, index: int | slice) -> np.ndarray | list[np.ndarray]:
-        return self.rows[index]
-
-    def array(self) -> np.ndarray:
-        return np.stack(self.rows)
 
 
 # --- encoding ---------------------------------------------------------------------------------
@@ -221,8 +192,6 @@ def _put(out: _Out, value: Any, depth: int) -> None:
         _put(out, int(value), depth)
     elif isinstance(value, np.ndarray):  # a subclass: its plain array
         _put_array(out, np.asarray(value))
-    elif kind is Stacked:
-        _put_stacked(out, value.rows)
     else:
         raise TypeError(f"{kind.__module__}.{kind.__qualname__} cannot cross the wire")
 
@@ -283,37 +252,6 @@ def _put_array(out: _Out, value: np.ndarray) -> None:
         out.parts.append(value.data.cast("B"))
         out.size += len(head) + value.nbytes
         out.head = bytearray()
-
-
-def _put_stacked(out: _Out, rows: list[np.ndarray]) -> None:
-    """``rows`` as the 2-D array they would stack to: one array header, then each row's
-    memory as its own part (rows that do not fit that shape are stacked first)."""
-    first = rows[0] if rows else None
-    if (
-        first is None
-        or first.ndim != 1
-        or not all(
-            type(row) is np.ndarray
-            and row.dtype == first.dtype
-            and row.shape == first.shape
-            and row.flags.c_contiguous
-            for row in rows
-        )
-        or first.dtype not in _CODES
-        or not first.nbytes
-    ):
-        _put_array(out, np.stack(rows) if rows else np.empty((0, 0), np.uint8))
-        return
-    head = out.head
-    head += b"a"
-    head.append(_CODES[first.dtype])
-    head.append(2)
-    head += _DIMS[2].pack(len(rows), first.shape[0])
-    head += bytes(-(out.size + len(head)) % 8)  # the data starts 8-aligned
-    out.parts.append(head)
-    out.parts += [row.data.cast("B") for row in rows]
-    out.size += len(head) + first.nbytes * len(rows)
-    out.head = bytearray()
 
 
 def _check_depth(depth: int) -> None:

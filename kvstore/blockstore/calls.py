@@ -28,7 +28,7 @@ class StorageNodeCalls(Protocol):
         self,
         token: int,
         keys: Sequence[bytes],
-        shards: Sequence[np.ndarray],
+        shards: Sequence[np.ndarray] | np.ndarray,
         class_ids: Sequence[int] | np.ndarray,
         created: Sequence[float] | np.ndarray,
         commit: bool = False,

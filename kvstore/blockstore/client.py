@@ -69,7 +69,6 @@ from kvstore.errors import (
 )
 from kvstore.keys import BlockKey, key_words
 from kvstore.pending import Pending
-from kvstore.wire import Stacked
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +132,18 @@ class BlockStoreClient(BlockReads):
     ) -> tuple[list[BlockKey], list[BlockKey], list[BlockKey]]:
         """Steps 2 and 3 of the write rule for reserved keys; returns (stored, failed, the
         stored ones that are under-redundant)."""
-        stripes = self._codec.encode_many(payloads, keys)
-        # Shards of one length (the usual batch: one block size) go to each node as one 2-D
-        # array (``Stacked``: on the wire without a copy into one first), one item the node
-        # checks and appends as a whole (``StorageNode.put``) instead of a Python object per
-        # shard on both sides; mixed lengths go as a list.
-        uniform = len({len(stripe[0]) for stripe in stripes}) == 1
+        k, quorum = self.config.data_shards, self.config.write_quorum
+        # The first placement is made before the encoding, which ranks the shards by node:
+        # each node's shards of the batch are then one slice of its array (``encode_rows``),
+        # one item on the wire that the node checks and appends as a whole
+        # (``StorageNode.put``), instead of a Python object per shard on both sides.
+        nodes = self._write_nodes()
+        by_node = {}
+        if len(nodes) >= quorum:
+            by_node = _by_node(self._placements(keys, nodes), k)
+        rank = _rank(by_node, len(keys), self._width)
+        encoded = self._codec.encode_rows(payloads, keys, rank)
+        stripes = self._codec.encode_many(payloads, keys) if encoded is None else None
         sizes = [int(np.asarray(_flat(payload)).size) for payload in payloads]
         created = self._clock.now()
         todo = np.arange(len(keys))
@@ -146,27 +151,26 @@ class BlockStoreClient(BlockReads):
         # none. A node keeps one committed shard per key (a retried put replaces it, maybe with
         # another index), so each put's outcome first clears what the node held.
         held = np.full((len(keys), self._width), -1, dtype=np.int32)
-        for _attempt in range(2):  # a node failing mid-put: re-place on the others once
-            nodes = self._write_nodes()
-            if len(nodes) < self.config.write_quorum or not todo.size:
+        for attempt in range(2):  # a node failing mid-put: re-place on the others once
+            if attempt:
+                nodes = self._write_nodes()
+            if len(nodes) < quorum or not todo.size:
                 break
-            placements = self._placements([keys[i] for i in todo.tolist()], nodes)
+            if attempt:
+                by_node = _by_node(self._placements([keys[i] for i in todo.tolist()], nodes), k)
             tickets = {}
             # An index past the write nodes is -1: not written.
-            for node, (rows, indices) in _by_node(placements, self.config.data_shards).items():
-                positions = todo[rows]
-                shards = [
-                    stripes[p][i] for p, i in zip(positions.tolist(), indices.tolist(), strict=True)
-                ]
+            for node, (slots, indices) in by_node.items():
+                positions = todo[slots]
                 ticket = self._fanout.submit(
                     node_target(node),
                     StorageNodeCalls.put,
                     token,
                     [keys[p] for p in positions.tolist()],
-                    Stacked(shards) if uniform else shards,
+                    _shards_of(encoded, stripes, rank, positions, indices),
                     # One array each, not a list: one wire item instead of one per shard.
-                    np.full(len(shards), class_id, np.uint8),
-                    np.full(len(shards), created, np.float64),
+                    np.full(len(positions), class_id, np.uint8),
+                    np.full(len(positions), created, np.float64),
                     True,  # committed as written: no second round (the module doc)
                 )
                 tickets[ticket] = (node, positions, indices, time.monotonic())
@@ -469,6 +473,38 @@ def _by_node(placements: np.ndarray, k: int) -> dict[int, tuple[np.ndarray, np.n
         order = np.argsort(indices >= k, kind="stable")
         out[int(node)] = (rows[order], indices[order])
     return out
+
+
+def _rank(by_node: dict[int, tuple[np.ndarray, np.ndarray]], count: int, width: int) -> np.ndarray:
+    """The row of each shard of a batch in its ``encode_rows`` array: each node's shards end
+    to end in ``_by_node``'s order, node after node, then the shards placed on no node."""
+    rank = np.full((count, width), -1, np.int64)
+    at = 0
+    for slots, indices in by_node.values():
+        rank[slots, indices] = np.arange(at, at + slots.size)
+        at += slots.size
+    rank[rank < 0] = np.arange(at, count * width)
+    return rank
+
+
+def _shards_of(
+    rows: np.ndarray | None,
+    stripes: list[list[np.ndarray]] | None,
+    rank: np.ndarray,
+    positions: np.ndarray,
+    indices: np.ndarray,
+) -> np.ndarray | list[np.ndarray]:
+    """A node's shards of a put (shard ``indices[j]`` of block ``positions[j]``): the slice of
+    the batch's rows they were ranked into, or a copy of them where a retry placed them anew;
+    without one array (blocks of several sizes), the stripes' rows, stacked where they can."""
+    if rows is None:
+        assert stripes is not None
+        shards = [stripes[p][i] for p, i in zip(positions.tolist(), indices.tolist(), strict=True)]
+        return np.stack(shards) if len({shard.size for shard in shards}) == 1 else shards
+    at = rank[positions, indices]
+    if int(at[-1]) - int(at[0]) == at.size - 1 and bool((np.diff(at) == 1).all()):
+        return rows[int(at[0]) : int(at[-1]) + 1]
+    return rows[at]
 
 
 def _acks(outcome: Any, count: int) -> np.ndarray:

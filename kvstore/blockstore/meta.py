@@ -41,7 +41,7 @@ from kvstore.blockstore.records import (
 from kvstore.blockstore.repairqueue import RepairQueue
 from kvstore.clock import Clock, SystemClock
 from kvstore.errors import InvalidArgument
-from kvstore.keys import KEY_BYTES, BlockKey, check_key, key_words
+from kvstore.keys import KEY_BYTES, BlockKey, check_key, check_keys, key_words
 
 if TYPE_CHECKING:
     from kvstore.blockstore.calls import MetaShardCalls
@@ -108,7 +108,7 @@ class MetaShard:
     # --- helpers ---------------------------------------------------------------------------
 
     def _keys(self, keys: Sequence[bytes], argument: str = "keys") -> list[BlockKey]:
-        checked = [check_key(key, f"{argument}[{i}]") for i, key in enumerate(keys)]
+        checked = check_keys(keys, argument)
         self._key_array(checked, argument)  # each must belong to this shard
         return checked
 

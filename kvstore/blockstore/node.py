@@ -84,7 +84,6 @@ from kvstore.ec.shard import ShardHeader, parse_rows, parse_shard
 from kvstore.errors import ConfigError, CorruptShard, InvalidArgument, NodeDraining, StoreError
 from kvstore.keys import KEY_BYTES, BlockKey, check_key
 from kvstore.privatefs import PrivateDir
-from kvstore.wire import Stacked
 
 if TYPE_CHECKING:
     from kvstore.blockstore.calls import StorageNodeCalls
@@ -268,7 +267,7 @@ class StorageNode:
         self,
         token: int,
         keys: Sequence[bytes],
-        shards: Sequence[np.ndarray],
+        shards: Sequence[np.ndarray] | np.ndarray,
         class_ids: Sequence[int] | np.ndarray,
         created: Sequence[float] | np.ndarray,
         commit: bool = False,
@@ -284,8 +283,6 @@ class StorageNode:
         shards elsewhere).
         """
         count = len(keys)
-        if isinstance(shards, Stacked):  # a client's batch not sent over the wire
-            shards = shards.array()  # type: ignore[assignment]  # its rows, as one array
         for name, values in (("shards", shards), ("class_ids", class_ids), ("created", created)):
             if len(values) != count:
                 raise InvalidArgument(name, f"has {len(values)} entries for {count} keys")
@@ -304,7 +301,8 @@ class StorageNode:
         chosen = [bytes(keys[p]) for p in positions]
         # A whole 2-D batch goes to the log as it is (its headers' fields cut out at once).
         whole = isinstance(shards, np.ndarray) and len(positions) == count
-        bodies = shards if whole else [shards[p] for p in positions]
+        # (an array is a sequence of its rows; numpy's stubs do not say so)
+        bodies: Sequence[object] = shards if whole else [shards[p] for p in positions]  # type: ignore[assignment]
         born = np.asarray(created, np.float64)[positions]
         kinds = np.asarray(class_ids, np.int64)[positions]
         first_lsn = self._log.take_lsns(len(positions))
@@ -349,7 +347,7 @@ class StorageNode:
         return results
 
     def _accepted(
-        self, keys: Sequence[bytes], shards: Sequence[np.ndarray]
+        self, keys: Sequence[bytes], shards: Sequence[np.ndarray] | np.ndarray
     ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
         """The shards of a put this node takes, in order: (positions, stripe indices, shard
         lengths, payload lengths, payload hashes as the index keeps them). Refused: a shard

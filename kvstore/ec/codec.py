@@ -60,6 +60,7 @@ from kvstore.ec.shard import (
     SUM,
     fragment_length,
     header_bytes,
+    row_sums,
 )
 from kvstore.errors import ConfigError, ECError, InvalidArgument, TooFewShards
 from kvstore.keys import KEY_BYTES, check_key, key_hex
@@ -184,11 +185,25 @@ class Codec:
     def encode_many(
         self, payloads: Sequence[object], keys: Sequence[bytes]
     ) -> list[list[np.ndarray]]:
-        """``[self.encode(p, key) for p, key in zip(payloads, keys)]``, the same bytes, with the
-        per-block steps done once a batch where the blocks share a size (a put batch): one
-        64-byte aligned (n, k+m, row) array, headers written at once, one pointer table, one
-        checksum pass; only the data copy and ISA-L's parity run a block at a time. Each block's
-        shards are rows of the batch's array (a shard kept alone for long pins the batch)."""
+        """``[self.encode(p, key) for p, key in zip(payloads, keys)]``, the same bytes: where
+        the blocks share a size, rows of one ``encode_rows`` array (a shard kept alone for long
+        pins the batch)."""
+        rows = self.encode_rows(payloads, keys)
+        if rows is None:
+            return [self.encode(p, key) for p, key in zip(payloads, keys, strict=True)]
+        return [list(stripe) for stripe in rows.reshape(len(keys), self.total, -1)]
+
+    def encode_rows(
+        self, payloads: Sequence[object], keys: Sequence[bytes], rank: np.ndarray | None = None
+    ) -> np.ndarray | None:
+        """Every shard of a batch of blocks of one size as the rows of one 64-byte aligned
+        (n * (k+m), shard) array: shard i of block b in row ``rank[b, i]`` (by default
+        ``b * (k+m) + i``, each stripe's rows end to end). The same bytes as ``encode``, with
+        the per-block steps done once a batch: headers written at once, one pointer table, one
+        checksum pass; only the data copy and ISA-L's parity run a block at a time. A writer
+        ranks the rows by the node each goes to, so each node's shards are one slice of the
+        array, sent as it is. None where the batch cannot be one array (blocks of several
+        sizes, or no ISA-L): ``encode`` them one by one."""
         if len(payloads) != len(keys):
             raise InvalidArgument("payloads", f"{len(payloads)} payloads for {len(keys)} keys")
         datas = [
@@ -197,12 +212,18 @@ class Codec:
         ]
         size = datas[0].size if datas else 0
         if self._isal is None or len(datas) < 2 or any(d.size != size for d in datas):
-            return [self.encode(p, key) for p, key in zip(payloads, keys, strict=True)]
+            return None
         blocks = [
             key if type(key) is bytes and len(key) == KEY_BYTES else check_key(key, "key")
             for key in keys
         ]
         n, k, total = len(datas), self.k, self.k + self.m
+        if rank is None:
+            rank = np.arange(n * total).reshape(n, total)
+        elif rank.shape != (n, total) or not np.array_equal(
+            np.sort(rank, axis=None), np.arange(n * total)
+        ):
+            raise InvalidArgument("rank", f"must place each of the {n * total} shards in a row")
         fragment_len = fragment_length(size, k)
         if fragment_len > MAX_FRAGMENT_BYTES:
             raise InvalidArgument(
@@ -212,38 +233,32 @@ class Codec:
         raw = np.empty(n * total * row_len + _ALIGN - 1, dtype=np.uint8)
         base = ctypes.addressof(ctypes.c_char.from_buffer(raw.data))
         shift = -base % _ALIGN
-        stripes = raw[shift : shift + n * total * row_len].reshape(n, total, row_len)
-        # Every row's fragment, end to end: block b's k sources then m targets for ISA-L.
-        table = pointer_table(base + shift + HEADER_BYTES, n * total, row_len)
+        rows = raw[shift : shift + n * total * row_len].reshape(n * total, row_len)
+        # Every shard's fragment, in (block, index) order: block b's k sources then m targets.
+        first = np.uintp(base + shift + HEADER_BYTES)
+        table = (first + rank.reshape(-1).astype(np.uintp) * np.uintp(row_len)).tobytes()
         step, data_bytes = total * _POINTER_BYTES, k * _POINTER_BYTES
+        padded = None if size == k * fragment_len else np.zeros(k * fragment_len, np.uint8)
         headers = []
         for b, data in enumerate(datas):
             # Hash the payload before copying it: the copy then reads it back from cache.
             payload = payloads[b]
             whole: bytes | memoryview = payload if type(payload) is bytes else data.data
-            digest = xxh3_64_digest(whole)
-            headers.append(header_bytes(blocks[b], 0, k, self.m, size, digest))
-            if size == k * fragment_len:
-                stripes[b, :k, HEADER_BYTES:] = data.reshape(k, fragment_len)
-            else:
-                self._fill_data(stripes[b], data, fragment_len)
+            headers.append(header_bytes(blocks[b], 0, k, self.m, size, xxh3_64_digest(whole)))
+            if padded is not None:  # the last fragment's tail (and any whole fragment) is zero
+                padded[:size] = data
+                data = padded
+            rows[rank[b, :k], HEADER_BYTES:] = data.reshape(k, fragment_len)
             sources = table[b * step : (b + 1) * step]
             self._isal.run(
                 self._isal.encode_tables, self.m, fragment_len, sources, sources[data_bytes:]
             )
-        stripes[:, :, :HEADER_BYTES] = np.frombuffer(b"".join(headers), np.uint8).reshape(
+        rows[rank, :HEADER_BYTES] = np.frombuffer(b"".join(headers), np.uint8).reshape(
             n, 1, HEADER_BYTES
         )
-        stripes[:, :, INDEX_OFFSET] = self._indices
-        flat = stripes.reshape(-1).data.cast("B")
-        sums = b"".join(
-            [
-                xxh3_64_digest(flat[start + CHECKED_FROM : start + row_len])
-                for start in range(0, n * total * row_len, row_len)
-            ]
-        )
-        stripes[:, :, SUM] = np.frombuffer(sums, dtype=np.uint8).reshape(n, total, 8)
-        return [list(stripe) for stripe in stripes]
+        rows[rank, INDEX_OFFSET] = self._indices
+        rows[:, SUM] = np.frombuffer(row_sums(rows), np.uint8).reshape(n * total, 8)
+        return rows
 
     def _encode_pointers(self, first: int, row_len: int) -> tuple[bytes, bytes]:
         """ISA-L pointer tables of a stripe whose first fragment is at ``first``: the k data

@@ -543,3 +543,30 @@ def test_a_rewritten_block_reads_as_the_new_write_never_a_mix(tier: Tier) -> Non
             assert _same(block, new)
         else:
             assert block is None  # neither write has k shards: a miss, never the mix
+
+
+def test_each_node_gets_its_shards_of_a_batch_as_one_slice_of_the_encoded_rows() -> None:
+    """The first placement ranks the encoding's rows by node: each node's shards (data first,
+    rows ascending) are one slice of the array, not a copy; shards a retry placed anew are a
+    copy of the same rows."""
+    from kvstore.blockstore.client import _by_node, _rank, _shards_of
+
+    codec = Codec(10, 2)
+    keys = [os.urandom(32) for _ in range(6)]
+    payloads = [_payload(i) for i in range(6)]
+    placements = np.stack([np.random.default_rng(i).permutation(14)[:12] for i in range(6)])
+    placements[2, 11] = -1  # a parity shard placed nowhere (fewer nodes than the width)
+    by_node = _by_node(placements, 10)
+    rank = _rank(by_node, 6, 12)
+    rows = codec.encode_rows(payloads, keys, rank)
+    assert rows is not None
+    stripes = codec.encode_many(payloads, keys)
+    for slots, indices in by_node.values():
+        shards = _shards_of(rows, None, rank, slots, indices)
+        assert isinstance(shards, np.ndarray) and np.shares_memory(shards, rows)
+        wanted = [stripes[b][i] for b, i in zip(slots.tolist(), indices.tolist(), strict=True)]
+        assert np.array_equal(shards, np.stack(wanted))
+        assert np.array_equal(_shards_of(None, stripes, rank, slots, indices), shards)
+    again = _shards_of(rows, None, rank, np.array([5, 0]), np.array([3, 7]))
+    assert not np.shares_memory(again, rows)
+    assert np.array_equal(again, np.stack([stripes[5][3], stripes[0][7]]))

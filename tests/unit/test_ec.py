@@ -653,3 +653,39 @@ def test_encode_many_is_encode_block_by_block(codec: Codec, fallback: Codec, siz
     assert codec.encode_many([], []) == []
     with pytest.raises(InvalidArgument):
         codec.encode_many(payloads, keys[:2])
+
+
+@pytest.mark.parametrize("size", [BLOCK, 100])
+def test_encode_rows_puts_each_shard_in_the_row_its_rank_names(codec: Codec, size: int) -> None:
+    """A writer ranks a batch's shards by node: shard i of block b lands in row rank[b, i],
+    byte for byte what ``encode`` makes of it; a rank that is not a permutation is refused."""
+    keys = [bytes([i]) * 32 for i in range(5)]
+    payloads = [payload_of(size, seed) for seed in range(5)]
+    rank = np.random.default_rng(3).permutation(5 * 12).reshape(5, 12)
+    rows = codec.encode_rows(payloads, keys, rank)
+    assert rows is not None and rows.shape == (60, codec.shard_length(size))
+    for b, (payload, key) in enumerate(zip(payloads, keys, strict=True)):
+        for i, shard in enumerate(codec.encode(payload, key)):
+            assert bytes(rows[rank[b, i]]) == bytes(shard)
+    twice = rank.copy()
+    twice[0, 0] = twice[0, 1]
+    with pytest.raises(InvalidArgument, match="rank"):
+        codec.encode_rows(payloads, keys, twice)
+    assert codec.encode_rows([payloads[0], payload_of(size + 64, 9)], keys[:2]) is None
+
+
+def test_row_sums_in_c_are_the_checksums_the_python_loop_computes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch's shard checksums, one C call (writer and node) or the loop it stands in for."""
+    from kvstore.ec import shard as module
+
+    rows = np.random.default_rng(4).integers(0, 256, (9, 64 + 1000), dtype=np.uint8)
+    extension = module._sums
+    assert extension is not None  # built with the package (CI builds it)
+    in_c = module.row_sums(rows)
+    monkeypatch.setattr(module, "_sums", None)
+    assert module.row_sums(rows) == in_c
+    assert in_c == b"".join(xxhash.xxh3_64_digest(bytes(row[8:])) for row in rows)
+    with pytest.raises(ValueError):
+        extension.row_sums(rows, 1000)  # rows of 1064 bytes are not rows of 1000

@@ -120,26 +120,6 @@ def test_encoding_an_array_does_not_copy_it() -> None:
     assert any(isinstance(p, memoryview) and np.shares_memory(np.asarray(p), keys) for p in parts)
 
 
-def test_stacked_rows_decode_as_the_array_they_stack_to_without_a_copy_on_the_way_out() -> None:
-    stripe = np.arange(3 * 4 * 80, dtype=np.uint8).reshape(3, 4, 80)  # 3 stripes of 4 rows
-    rows = [stripe[s, s + 1] for s in range(3)]  # a row of each, as a node's put batch
-    parts = wire.encode((b"x", wire.Stacked(rows), 7))
-    for row in rows:
-        assert any(
-            isinstance(p, memoryview) and np.shares_memory(np.asarray(p), row) for p in parts
-        )
-    _, got, after = wire.decode(bytearray(b"".join(parts)))
-    assert got.shape == (3, 80) and got.flags.aligned and after == 7
-    assert np.array_equal(got, np.stack(rows))
-    # Rows of another dtype, or none, arrive as what stacking them makes; unequal ones do not.
-    ints = [np.arange(4, dtype=np.int64)] * 2
-    assert same(round_trip(wire.Stacked(ints)), np.stack(ints))
-    assert round_trip(wire.Stacked([])).shape == (0, 0)
-    with pytest.raises(ValueError):
-        wire.encode(wire.Stacked([np.zeros(3, np.uint8), np.zeros(4, np.uint8)]))
-    assert np.array_equal(pickle.loads(pickle.dumps(wire.Stacked(rows))).array(), np.stack(rows))
-
-
 def test_a_list_of_bools_travels_as_one_item_and_decodes_as_bools() -> None:
     answer = [True, False] * 32  # what a node answers for a put of 64 shards
     data = frame(answer)
