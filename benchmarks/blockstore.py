@@ -39,8 +39,10 @@ not rest on it).
 
 CPU seconds per GB of payload moved, over the timed batches of each case: the client process
 by ``getrusage`` around each batch (kvstore's and Redis' apart); server processes by utime+stime
-(``/proc/<pid>/stat``) read when the case's timed batches start and end (each side's servers
-idle while the other side's batch runs; work a node does after a call returned still counts):
+(``/proc/<pid>/stat``) read when the case's timed batches start and end (work a node does
+after a call returned still counts), less what the storage side's processes spend at rest
+(watched for 3 s before the fill and after the restart: Ray's ~100 wake-ups a second an actor)
+over the time the case spent outside kvstore's batches (in Redis', the disk line's):
 storage-node actor processes (pids from ``StorageNode.stats()['pid']``, else by their
 ``ray::StorageNodeActor`` process title), meta-shard actors, the other Ray processes of this run
 (raylet, GCS, workers: Ray's object transfers; the gateway's process too), and redis-server.
@@ -54,7 +56,7 @@ over the direct reader's): the second is what a deployment sees, with the 12 nod
 of their own instead of sharing this machine's cores with the reader (Redis is one process
 beside its client here). The shared 2-core machine is noisy: compare ratios from one run.
 
-    python3 benchmarks/blockstore.py [--runs 12] [--batch 64] [--batch-large 64] \\
+    python3 benchmarks/blockstore.py [--runs 30] [--batch 64] [--batch-large 64] \\
         [--case-seconds 20] [--fsync batch] [--data-root DIR] [--json] [--zstd]
 """
 
@@ -83,6 +85,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.blockstore_cpu import Case, CpuGroups, PhaseCpu, timed  # noqa: E402
 from benchmarks.blockstore_disk import DiskLine  # noqa: E402
 from benchmarks.blockstore_paths import DirectPath, Gateway, GatewayPath  # noqa: E402
+from benchmarks.blockstore_zstd import measure_zstd  # noqa: E402
 from benchmarks.peers import Redis, peer_redis  # noqa: E402
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig  # noqa: E402
 from kvstore.blockstore.direct import DirectReader  # noqa: E402
@@ -97,6 +100,8 @@ SMALL, LARGE = "111 KiB", "1.35 MiB"
 SIZES = {SMALL: BLOCK, LARGE: STATE}
 KILLED = (0, 1)
 WARMUPS = 2
+#: Seconds the tier's processes are watched at rest (``CpuGroups.at_rest``).
+REST_S = 3.0
 DIRECT, GATEWAY = "get, direct", "get, gateway"
 TABLED = ("Redis SET", "Redis GET", "normal get")
 #: A target on what one client core takes (1 / the client process's CPU-s per GB), the bound
@@ -143,6 +148,9 @@ class Bench:
         self.redis = redis
         self.client = handles.client()
         self.groups = CpuGroups(handles, exclude={redis.pid})
+        #: What the tier's processes spend at rest (cores a pid), taken off each phase's CPU
+        #: for the time it is not in one of kvstore's batches (``PhaseCpu``).
+        self.rest: dict[str, dict[int, float]] = {}
         self.rng = np.random.default_rng(7)
         self.batch = {SMALL: args.batch, LARGE: args.batch_large}
         self.cases: dict[tuple[str, str, str], Case] = {}
@@ -168,12 +176,12 @@ class Bench:
         early once ``--case-seconds`` have passed and 3 timed batches were taken. The servers'
         CPU over the timed calls goes to ``ours`` (storage side) and ``peer`` (redis-server)."""
         deadline = time.monotonic() + self.args.case_seconds
-        phase = PhaseCpu(self.groups, self.redis.pid)
+        phase = PhaseCpu(self.groups, self.redis.pid, self.rest)
         try:
             for index in range(WARMUPS + runs):
                 timed_run = index >= WARMUPS
                 if index == WARMUPS:
-                    phase.start()
+                    phase.start(ours)
                 body(index, timed_run)
                 if timed_run and index - WARMUPS >= 2 and time.monotonic() > deadline:
                     return
@@ -240,8 +248,8 @@ class Bench:
         stripes = self.stripe_bytes(SMALL)
         gb = count * batch.nbytes / 1e9
         print(f"filling the tier first: {count} batches, {gb:.1f} GB", file=sys.stderr)
-        phase = PhaseCpu(self.groups, self.redis.pid)
-        phase.start()
+        phase = PhaseCpu(self.groups, self.redis.pid, self.rest)
+        phase.start(batch)
         for _ in range(count):
             keys = [os.urandom(32) for _ in payloads]
             with timed(batch):
@@ -334,8 +342,8 @@ class Bench:
         trial = Case(ours.nbytes)
         outcomes: list[str] = []
         deadline = time.monotonic() + self.args.case_seconds
-        phase = PhaseCpu(self.groups, self.redis.pid)
-        phase.start()
+        phase = PhaseCpu(self.groups, self.redis.pid, self.rest)
+        phase.start(trial)
         for _ in range(3):
             keys = [os.urandom(32) for _ in payloads]
             try:
@@ -365,6 +373,7 @@ class Bench:
 
     def run(self) -> None:
         half = max(2, self.args.runs // 2)
+        self.rest = self.groups.at_rest(REST_S)
         self.fill()
         for label in SIZES:
             self.put_phase(label)
@@ -388,6 +397,7 @@ class Bench:
             start_node(node_id)
         self.client = self.handles.client()
         self.groups = CpuGroups(self.handles, exclude={self.redis.pid})
+        self.rest = self.groups.at_rest(REST_S)  # the restarted nodes are new processes
         for label in SIZES:
             self.get_phase(label, "get", self.args.runs - half)
 
@@ -437,7 +447,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["config"]["client"] = "handles.client() on the client host (no storage node)"
         results["config"]["redis"] = f"redis-server on another host ({args.redis}"
     if args.zstd:
-        results["zstd"] = measure_zstd(np.random.default_rng(7))
+        results["zstd"] = measure_zstd(np.random.default_rng(7), STATE)
     results["config"]["wall_s"] = time.monotonic() - started
     return results
 
@@ -520,6 +530,7 @@ def report(args: argparse.Namespace, config: BlockStoreConfig, bench: Bench) -> 
             "cpus": os.cpu_count(),
             "cached_log_bytes": config.node.cached_log_bytes,
             "fill": bench.filled,
+            "at_rest_cores": {role: sum(cores.values()) for role, cores in bench.rest.items()},
         },
         "rows": rows,
         "lookup_p50_ms": {
@@ -528,46 +539,6 @@ def report(args: argparse.Namespace, config: BlockStoreConfig, bench: Bench) -> 
             if values
         },
     }
-
-
-# --- zstd (why blocks are stored uncompressed) -------------------------------------------------
-
-
-def kv_like_bytes(size: int, kind: str, rng: np.random.Generator) -> np.ndarray:
-    """Bytes shaped like cached KV: bf16 or fp8-e4m3 encodings of normal values."""
-    values = rng.standard_normal(size // 2 if kind == "bf16" else size).astype(np.float32)
-    if kind == "bf16":
-        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)[:size]
-    bits = values.view(np.uint32)
-    sign = (bits >> 31).astype(np.uint8) << 7
-    exponent = np.clip(((bits >> 23) & 0xFF).astype(np.int32) - 127 + 7, 0, 15).astype(np.uint8)
-    mantissa = ((bits >> 20) & 0x7).astype(np.uint8)
-    return (sign | (exponent << 3) | mantissa).astype(np.uint8)
-
-
-def measure_zstd(rng: np.random.Generator) -> list[dict[str, Any]]:
-    import zstandard
-
-    rows = []
-    for kind in ("bf16", "fp8-e4m3"):
-        data = kv_like_bytes(STATE, kind, rng).tobytes()
-        for level in (1, 3):
-            compressor = zstandard.ZstdCompressor(level=level)
-            seconds = []
-            compressed = b""
-            for _ in range(5):
-                start = time.perf_counter()
-                compressed = compressor.compress(data)
-                seconds.append(time.perf_counter() - start)
-            rows.append(
-                {
-                    "values": kind,
-                    "level": level,
-                    "ratio": len(data) / len(compressed),
-                    "compress_mbps": len(data) / statistics.median(seconds) / 1e6,
-                }
-            )
-    return rows
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -656,6 +627,16 @@ def table(results: dict[str, Any]) -> str:
             f"put batch (every shard), one flush per batch (fsync={cfg['fsync']}), keeping "
             "the nodes' page-cache bound (benchmarks/blockstore_disk.py): " + "; ".join(ceilings),
         ]
+    rest = cfg.get("at_rest_cores") or {}
+    if rest:
+        parts = ", ".join(f"{role} {cores:.3f}" for role, cores in rest.items())
+        lines += [
+            "",
+            f"the tier's processes at rest ({REST_S:.0f} s, no request): "
+            f"{sum(rest.values()):.3f} cores ({parts}); each case is charged their CPU over "
+            "its phase less that rest over the time the phase spent outside kvstore's "
+            "batches (Redis', the disk line's)",
+        ]
     fill = cfg.get("fill") or {}
     if fill.get("batches"):
         bound = cfg["cached_log_bytes"]
@@ -728,7 +709,11 @@ def main() -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
-        "--runs", type=int, default=12, help="timed batches per case, after 2 warm-ups (>= 4)"
+        "--runs",
+        type=int,
+        default=30,
+        help="timed batches per case, after 2 warm-ups (>= 4; the CPU figures come from "
+        "/proc's 10 ms ticks of ~20 processes: a dozen batches leave them coarse)",
     )
     parser.add_argument(
         "--case-seconds",

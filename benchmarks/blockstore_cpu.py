@@ -94,6 +94,20 @@ class CpuGroups:
         taken = nodes | set(self.groups["meta"])
         self.groups["ray"] = [p for p in below if p not in taken]
 
+    def at_rest(self, seconds: float) -> dict[str, dict[int, float]]:
+        """What each process spends with no request in flight: cores a pid, over ``seconds``
+        (``/proc`` counts in 10 ms ticks: a few seconds make it good to a few hundredths)."""
+        before = self.sample()
+        started = time.monotonic()
+        time.sleep(seconds)
+        after, elapsed = self.sample(), time.monotonic() - started
+        return {
+            role: {
+                p: (v - before[role][p]) / elapsed for p, v in values.items() if p in before[role]
+            }
+            for role, values in after.items()
+        }
+
     def sample(self) -> dict[str, dict[int, float]]:
         out: dict[str, dict[int, float]] = {}
         for role, pids in self.groups.items():
@@ -157,26 +171,40 @@ def timed(case: Case) -> Iterator[None]:
 class PhaseCpu:
     """CPU seconds of the server-side processes over one phase (its timed batches, kvstore's
     and Redis' alternating): storage-side roles are charged to kvstore's case, redis-server to
-    Redis'. Each side's servers idle while the other side's batch runs, and work a node does
-    after a call returned (a flush) still lands in its phase."""
+    Redis'. Work a node does after a call returned (a flush) still lands in its phase. What
+    the storage processes spend at rest (``rest``: cores a pid, ``CpuGroups.at_rest``) while
+    the phase is not in one of kvstore's batches (Redis' batches, the disk line's, the gaps)
+    is taken off: Ray's actors wake ~100 times a second each, busy or not (about 0.15 of a
+    core for this tier here), and that is not what kvstore's batches cost."""
 
-    def __init__(self, groups: CpuGroups, redis_pid: int) -> None:
+    def __init__(
+        self, groups: CpuGroups, redis_pid: int, rest: dict[str, dict[int, float]] | None = None
+    ) -> None:
         self.groups = groups
         self.redis_pid = redis_pid
+        self.rest = rest or {}
         self.before: dict[str, dict[int, float]] | None = None
         self.redis_before: float | None = None
+        self.started = 0.0
+        self.batches_before = 0
 
-    def start(self) -> None:
+    def start(self, ours: Case) -> None:
         self.before = self.groups.sample()
         self.redis_before = proc_cpu(self.redis_pid)
+        self.started = time.monotonic()
+        self.batches_before = len(ours.seconds)
 
     def stop(self, ours: Case, peer: Case | None) -> None:
         if self.before is None:
             return
         after = self.groups.sample()
+        elsewhere = time.monotonic() - self.started - sum(ours.seconds[self.batches_before :])
         for role, values in after.items():
-            start = self.before[role]
-            ours.add_cpu(role, sum(v - start[p] for p, v in values.items() if p in start))
+            start, rest = self.before[role], self.rest.get(role, {})
+            spent = sum(
+                v - start[p] - rest.get(p, 0.0) * elsewhere for p, v in values.items() if p in start
+            )
+            ours.add_cpu(role, max(0.0, spent))
         end = proc_cpu(self.redis_pid)
         if peer is not None and self.redis_before is not None and end is not None:
             peer.add_cpu("redis-server", end - self.redis_before)

@@ -49,7 +49,6 @@ from kvstore.ec.buffers import (
 )
 from kvstore.ec.select import ShardLike, ShardSelector, Stripe
 from kvstore.ec.shard import (
-    CHECKED_FROM,
     HEADER_BYTES,
     INDEX_OFFSET,
     MAGIC_AND_INDEX,
@@ -170,16 +169,7 @@ class Codec:
         # Headers for all rows at once, then one checksum per row over [8, end) of it.
         stripe[:, :HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
         stripe[:, INDEX_OFFSET] = self._indices
-        flat = stripe.data.cast("B")
-        sums = [
-            xxh3_64_digest(flat[start:end])
-            for start, end in zip(
-                range(CHECKED_FROM, total * row_len, row_len),
-                range(row_len, total * row_len + 1, row_len),
-                strict=True,
-            )
-        ]
-        stripe[:, SUM] = np.frombuffer(b"".join(sums), dtype=np.uint8).reshape(total, 8)
+        stripe[:, SUM] = np.frombuffer(row_sums(stripe), dtype=np.uint8).reshape(total, 8)
         return list(stripe)
 
     def encode_many(
@@ -286,23 +276,11 @@ class Codec:
             stripe[full + 1 : k, HEADER_BYTES:] = 0
 
     @staticmethod
-    def _write_headers(
-        stripe: np.ndarray, header: bytes, indices: np.ndarray, flat: memoryview
-    ) -> None:
-        """Write ``header`` to every row with its own index, then each row's checksum.
-
-        ``flat`` is a flat byte view of ``stripe``.
-        """
-        rows, row_len = stripe.shape
+    def _write_headers(stripe: np.ndarray, header: bytes, indices: np.ndarray) -> None:
+        """Write ``header`` to every row with its own index, then each row's checksum."""
         stripe[:, :HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
         stripe[:, INDEX_OFFSET] = indices
-        sums = b"".join(
-            [
-                xxh3_64_digest(flat[start + CHECKED_FROM : start + row_len])
-                for start in range(0, rows * row_len, row_len)
-            ]
-        )
-        stripe[:, SUM] = np.frombuffer(sums, dtype=np.uint8).reshape(rows, 8)
+        stripe[:, SUM] = np.frombuffer(row_sums(stripe), dtype=np.uint8).reshape(len(stripe), 8)
 
     # --- decode ------------------------------------------------------------------------------
 
@@ -672,7 +650,7 @@ class Codec:
                 source, dtype=np.uint8, count=fragment_len, offset=offset
             )
         header = bytes(8) + MAGIC_AND_INDEX[0] + stripe.shared
-        self._write_headers(out, header, np.asarray(wanted, dtype=np.uint8), out.data.cast("B"))
+        self._write_headers(out, header, np.asarray(wanted, dtype=np.uint8))
         return {index: out[row] for row, index in enumerate(wanted)}
 
     def _wanted(self, wanted_indices: Iterable[int]) -> tuple[int, ...]:
