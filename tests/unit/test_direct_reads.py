@@ -9,7 +9,8 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -71,6 +72,18 @@ def _check(tier: ReadNodes, blocks: list[BlockLocation], out: np.ndarray, ok: li
             assert np.array_equal(out[b * SIZE : (b + 1) * SIZE], tier.payloads[block.key]), b
 
 
+def _counted(server: EngineReadServer, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """``server.stats()`` once ``done`` holds of it (bounded): a server counts its sends when
+    the call that made them returns, which on a busy machine can be after the reader already
+    holds every byte of the reply."""
+    deadline = time.monotonic() + 30
+    stats = server.stats()
+    while not done(stats) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        stats = server.stats()
+    return stats
+
+
 def _damage(tier: ReadNodes, node: int, key: bytes, at: int = 10) -> None:
     """Flip a byte of the fragment of ``node``'s shard of ``key``, in its segment file."""
     found = tier.nodes[node].locate([key])[0]
@@ -104,7 +117,7 @@ def test_a_nodes_shards_that_lie_end_to_end_go_in_one_send(tier: ReadNodes) -> N
     assert reader.read_into(tier.capability(blocks), blocks, out) == [True] * len(blocks)
     _check(tier, blocks, out, [True] * len(blocks))
     for server in tier.servers:
-        stats = server.stats()
+        stats = _counted(server, lambda stats: stats.get("sends", 0) > 0)
         assert stats["served"] > 1 and stats["sends"] == 1, stats
 
 
@@ -123,9 +136,9 @@ def test_shards_asked_out_of_their_order_on_disk_arrive_whole(
     ok = reader.read_into(tier.capability(blocks), blocks, out)
     assert ok == [b != 5 for b in range(len(blocks))]
     _check(tier, blocks, out, ok)
-    assert sum(server.stats()["sends"] for server in tier.servers) == sum(
-        server.stats()["served"] for server in tier.servers
-    )
+    for server in tier.servers:  # each shard its own run: as many sends as shards served
+        stats = _counted(server, lambda stats: stats.get("sends", 0) >= stats.get("served", 0))
+        assert stats.get("sends", 0) == stats.get("served", 0), stats
 
 
 def test_blocks_go_where_the_offsets_say(tier: ReadNodes) -> None:
