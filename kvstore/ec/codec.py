@@ -166,10 +166,7 @@ class Codec:
             self._isal.run(self._isal.encode_tables, self.m, fragment_len, sources, targets)
         else:
             self._backend.encode(stripe, HEADER_BYTES, fragment_len)
-        # Headers for all rows at once, then one checksum per row over [8, end) of it.
-        stripe[:, :HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-        stripe[:, INDEX_OFFSET] = self._indices
-        stripe[:, SUM] = np.frombuffer(row_sums(stripe), dtype=np.uint8).reshape(total, 8)
+        self._write_headers(stripe, header, self._indices)
         return list(stripe)
 
     def encode_many(

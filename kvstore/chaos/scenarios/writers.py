@@ -2,12 +2,11 @@
 
 Four writer actors are killed by ``ray.kill`` at random moments of a put loop (once each has
 stored a random part of its blocks, so the kill lands in the loop however fast puts are), and one
-dies at
-the worst moment on purpose: with every shard written, and so committed, on its node but the
-block not yet in its meta shard's index. Afterwards each block a writer attempted is either fully
-visible and bit-exact or a clean miss, and once the writers' reservations lapse the orphan scrub
-reclaims every unindexed (and any pending) shard: nodes hold exactly the shards the index points
-at.
+dies at the worst moment on purpose: with every shard written, and so committed, on its node but
+the block not yet in its meta shard's index. Afterwards each block a writer attempted is either
+fully visible and bit-exact or a clean miss, and once the writers' reservations lapse the orphan
+scrub reclaims every unindexed (and any pending) shard: nodes hold exactly the shards the index
+points at.
 """
 
 from __future__ import annotations
