@@ -18,7 +18,7 @@ import ray
 
 from kvstore.blockstore.capability import mint_for_lease
 from kvstore.blockstore.config import BlockStoreConfig
-from kvstore.blockstore.direct import DirectReader
+from kvstore.blockstore.direct import DirectReader, ReadBlocks
 from kvstore.keys import BLOCK_TOKENS
 
 #: The benchmark gateway's bearer token (loopback only, a process of this run).
@@ -26,9 +26,12 @@ TOKEN = "blockstore-bench-token-0123456789"
 
 
 class DirectPath:
-    """An engine's load with a read capability: one lookup (its lease) and one minted
-    capability, as the tier hands them out in QueryHit (both untimed, as the plain get row's
-    lookup is), then ``DirectReader.read_into`` one reused buffer per batch."""
+    """An engine's load with a read capability: one lookup (its lease, untimed, as the plain
+    get row's lookup is), a capability minted for it before each batch, as the tier hands one
+    out with each QueryHit (untimed: the tier's work; a new one each time, so the read pays
+    what a load pays for its first use, e.g. each node's part of it encoded), then
+    ``DirectReader.read_into`` the lease's arrays (``ReadBlocks``, as an engine's grant holds
+    them) into one reused buffer per batch."""
 
     def __init__(
         self, client: Any, keys: list[bytes], reader: DirectReader, read_key: bytes
@@ -38,13 +41,15 @@ class DirectPath:
         if found.lease is None or found.hit_blocks != len(keys):
             raise RuntimeError(f"direct: lookup found {found.hit_blocks} of {len(keys)} blocks")
         self._lease = found.lease
+        self._read_key = read_key
         self._capability = mint_for_lease(read_key, found.lease, "bench")
-        self._blocks = list(found.lease.blocks)
+        lease = found.lease
+        self._blocks = ReadBlocks(lease.key_words, lease.placements, lease.sizes)
         self._reader = reader
-        self.buffer = np.empty(sum(block.size for block in self._blocks), np.uint8)
+        self.buffer = np.empty(int(lease.sizes.sum()), np.uint8)
 
     def prepare(self) -> None:
-        return None
+        self._capability = mint_for_lease(self._read_key, self._lease, "bench")
 
     def read(self) -> None:
         ok = self._reader.read_into(self._capability, self._blocks, self.buffer)

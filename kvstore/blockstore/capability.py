@@ -47,7 +47,7 @@ import math
 import struct
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -121,6 +121,12 @@ class NodeGrant:
 
     keys: tuple[bytes, ...]
     mac: bytes
+    #: The keys end to end, as signed and sent ("" until asked: made from ``keys`` then).
+    joined: bytes = field(default=b"", repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.joined:
+            object.__setattr__(self, "joined", b"".join(self.keys))
 
     @cached_property
     def key_set(self) -> frozenset[bytes]:
@@ -145,10 +151,18 @@ class ReadCapability:
         )
 
     def node_part(self, node_id: int) -> bytes:
-        """``for_node(node_id).encode()``, made without the intermediate capability: the
-        bytes an engine sends that node with every request of a read."""
-        grant = self.grants.get(node_id)
-        return self._encoded([] if grant is None else [(node_id, grant)])
+        """``for_node(node_id).encode()``, made without the intermediate capability (and once
+        per node): the bytes an engine sends that node with every request of a read."""
+        part = self._node_parts.get(node_id)
+        if part is None:
+            grant = self.grants.get(node_id)
+            part = self._encoded([] if grant is None else [(node_id, grant)])
+            self._node_parts[node_id] = part
+        return part
+
+    @cached_property
+    def _node_parts(self) -> dict[int, bytes]:
+        return {}
 
     def keys_for(self, node_id: int) -> tuple[bytes, ...]:
         grant = self.grants.get(node_id)
@@ -168,9 +182,7 @@ class ReadCapability:
         parts = [_HEAD.pack(MAGIC, self.expires, len(lease), len(tenant), len(grants))]
         parts += [lease, tenant]
         for node_id, grant in grants:
-            parts.append(_GRANT.pack(node_id, len(grant.keys)))
-            parts.extend(grant.keys)
-            parts.append(grant.mac)
+            parts += [_GRANT.pack(node_id, len(grant.keys)), grant.joined, grant.mac]
         return b"".join(parts)
 
     @classmethod
@@ -218,7 +230,7 @@ class ReadCapability:
             names = tuple(raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES))
             if any(a >= b for a, b in zip(names, names[1:], strict=False)):
                 raise _malformed(f"node {node_id}'s keys out of order or repeated")
-            grants[node_id] = NodeGrant(names, bytes(view[end : end + MAC_BYTES]))
+            grants[node_id] = NodeGrant(names, bytes(view[end : end + MAC_BYTES]), raw)
             at = end + MAC_BYTES
         if at != len(view):
             raise _malformed(f"{len(view) - at} bytes after its last part")
@@ -294,9 +306,8 @@ def mint(
                 f"{len(names)} shards on node {node_id} ({total} so far): at most "
                 f"{MAX_LEASE_BLOCKS} a node and {MAX_SHARDS} in all",
             )
-        grants[node_id] = NodeGrant(
-            names, _mac(key, lease, name, expires, node_id, b"".join(names))
-        )
+        joined = b"".join(names)
+        grants[node_id] = NodeGrant(names, _mac(key, lease, name, expires, node_id, joined), joined)
     return ReadCapability(lease_id, tenant, expires, grants)
 
 

@@ -659,7 +659,7 @@ class NodeLinks:
             tuple(reply._head for reply, _ in taken),
             tuple(table for _, (_, _, table, _) in taken),
             np.array([data for _, (_, _, _, data) in taken], np.int64),
-            np.array([(lo, hi) for _, (lo, hi, _, _) in taken], np.int64),
+            np.array([row for _, (lo, hi, _, _) in taken for row in (lo, hi)], np.int64),
             usual.buffers,
             usual.which,
             usual.offsets,
@@ -673,9 +673,10 @@ class NodeLinks:
             usual.check,
         )
         landed: list[Items] = []
-        for (reply, (lo, _, _, _)), row in zip(taken, state.tolist(), strict=True):
+        rows = state.tolist()
+        self.counters["bytes_received"] += sum(row[_RECEIVED] for row in rows)
+        for (reply, (lo, _, _, _)), row in zip(taken, rows, strict=True):
             phase, failed, received, first = row[_PHASE], row[_FAILED], row[_RECEIVED], row[_FIRST]
-            self.counters["bytes_received"] += received
             (bs, indices), _ = reply.requests[0]
             if phase == _OTHER and not failed:
                 try:

@@ -25,8 +25,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from kvstore.blockstore.capability import CapabilityRefused, ReadCapability
-from kvstore.blockstore.direct import DirectReader, Spread
-from kvstore.blockstore.records import BlockLocation
+from kvstore.blockstore.direct import DirectReader, ReadBlocks, Spread
 from kvstore.fastcall.tls import ClientTLS, tls_from_env
 from kvstore.tier.records import DirectGrant
 
@@ -127,8 +126,7 @@ class DirectBlocks:
         capability = _capability(grant)
         if capability is None:
             return ok
-        every = grant.blocks()
-        blocks = [BlockLocation(*every[i]) for i in chosen.tolist()]
+        blocks = ReadBlocks(grant.keys[chosen], grant.placements[chosen], grant.sizes[chosen])
         spread = Spread(segments, tuple(rows[chosen].tolist()))
         asked = np.zeros(n, bool)
         asked[chosen] = True
@@ -156,7 +154,7 @@ class DirectBlocks:
         capability = _capability(grant)
         if capability is None:
             return False
-        blocks = [BlockLocation(*block) for block in grant.blocks()]
+        blocks = ReadBlocks(grant.keys, grant.placements, grant.sizes)
         out = np.empty(len(blocks) * nbytes, np.uint8)
         return all(reader.read_into(capability, blocks, out))
 

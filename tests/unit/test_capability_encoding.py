@@ -73,8 +73,11 @@ def test_a_nodes_part_is_made_byte_for_byte_as_its_capabilitys_encoding() -> Non
     # What an engine sends each node (``node_part``) must be the part a node decodes and
     # proves: the canonical encoding of ``for_node``, for a node with a part and one without.
     capability = _small()
+    decoded = ReadCapability.decode(capability.encode())  # as an engine has it
     for node_id in (0, 3, 5):
         assert capability.node_part(node_id) == capability.for_node(node_id).encode()
+        assert decoded.node_part(node_id) == capability.for_node(node_id).encode()
+        assert decoded.node_part(node_id) is decoded.node_part(node_id)  # made once
     assert ReadCapability.decode(capability.node_part(5)).grants == {}
 
 

@@ -18,7 +18,7 @@ from certs import self_signed
 from readnodes import ReadNodes, block_key
 
 from kvstore.blockstore import direct, readlinks
-from kvstore.blockstore.direct import DirectReader, Spread
+from kvstore.blockstore.direct import DirectReader, ReadBlocks, Spread
 from kvstore.blockstore.readlinks import Scatter
 from kvstore.blockstore.readserver import EngineReadServer
 from kvstore.blockstore.records import BlockLocation
@@ -84,6 +84,16 @@ def _counted(server: EngineReadServer, done: Callable[[dict[str, Any]], bool]) -
     return stats
 
 
+def _reads_whole_decoding_one(tier: ReadNodes, blocks: list[BlockLocation]) -> None:
+    """Every block of ``blocks`` reads whole and right, one of them decoded from parity."""
+    reader = DirectReader(tier.endpoints, 10, 2)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    ok = reader.read_into(tier.capability(blocks), blocks, out)
+    assert ok == [True] * len(blocks)
+    _check(tier, blocks, out, ok)
+    assert reader.counters["decoded_blocks"] == 1
+
+
 def _damage(tier: ReadNodes, node: int, key: bytes, at: int = 10) -> None:
     """Flip a byte of the fragment of ``node``'s shard of ``key``, in its segment file."""
     found = tier.nodes[node].locate([key])[0]
@@ -106,6 +116,50 @@ def test_every_block_lands_in_place_without_a_decode(tier: ReadNodes, receive_in
     _check(tier, blocks, out, ok)
     assert reader.counters["fast_blocks"] == len(blocks)
     assert reader.counters["decoded_blocks"] == 0
+
+
+def test_blocks_given_as_a_leases_arrays_read_as_their_locations_do(tier: ReadNodes) -> None:
+    """An engine hands the reader its grant's arrays (``ReadBlocks``: keys as uint64 words,
+    int32 placements), with no Python object a block: the same blocks land, and a block
+    whose parity columns are left off still reads (its data shards suffice), and decodes
+    around a damaged data shard only where its parity is named."""
+    blocks = _lease(tier)
+    words = np.frombuffer(b"".join(block.key for block in blocks), np.uint64).reshape(-1, 4)
+    placements = np.array([block.placement for block in blocks], np.int32)
+    sizes = np.array([block.size for block in blocks], np.int64)
+    reader = DirectReader(tier.endpoints, 10, 2)
+    capability = tier.capability(blocks)
+    out = np.zeros(len(blocks) * SIZE, np.uint8)
+    assert reader.read_into(capability, ReadBlocks(words, placements, sizes), out) == [True] * 24
+    _check(tier, blocks, out, [True] * 24)
+    _damage(tier, blocks[3].placement[2], blocks[3].key)
+    narrow = ReadBlocks(words, placements[:, :10], sizes)  # no parity named
+    out[:] = 0
+    ok = reader.read_into(capability, narrow, out)
+    assert ok == [b != 3 for b in range(24)]
+    _check(tier, blocks, out, ok)
+    out[:] = 0
+    ok = reader.read_into(capability, ReadBlocks(words, placements, sizes), out)
+    assert ok == [True] * 24  # decoded from the parity the lease names
+    _check(tier, blocks, out, ok)
+    assert reader.counters["decoded_blocks"] == 1
+
+
+@pytest.mark.parametrize(
+    ("keys", "placements", "sizes", "named"),
+    [
+        (np.zeros((2, 31), np.uint8), np.zeros((2, 12)), np.zeros(2), "keys"),
+        (np.zeros((2, 32), np.uint8), np.zeros(24), np.zeros(2), "placements"),
+        (np.zeros((2, 32), np.uint8), np.zeros((3, 12)), np.zeros(2), "placements"),
+        (np.zeros((2, 4), np.uint64), np.zeros((2, 12)), np.zeros((2, 1)), "sizes"),
+        (np.zeros((2, 4), np.uint32), np.zeros((2, 12)), np.zeros(2), "keys"),
+    ],
+)
+def test_read_blocks_of_the_wrong_shapes_are_refused_naming_what(
+    keys: np.ndarray, placements: np.ndarray, sizes: np.ndarray, named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        ReadBlocks(keys, placements, sizes)
 
 
 def test_a_nodes_shards_that_lie_end_to_end_go_in_one_send(tier: ReadNodes) -> None:
@@ -354,12 +408,28 @@ def test_a_whole_shard_of_another_stripe_position_is_not_taken(
     with open(into, "r+b") as file:
         file.seek(at_into + RECORD_BYTES)
         file.write(shard)
-    reader = DirectReader(tier.endpoints, 10, 2)
-    out = np.zeros(len(blocks) * SIZE, np.uint8)
-    ok = reader.read_into(tier.capability(blocks), blocks, out)
-    assert ok == [True] * len(blocks)
-    _check(tier, blocks, out, ok)
-    assert reader.counters["decoded_blocks"] == 1
+    _reads_whole_decoding_one(tier, blocks)
+
+
+def test_a_whole_shard_of_another_write_of_the_block_is_not_taken(
+    tier: ReadNodes, checksums: str, receive_in: str
+) -> None:
+    """A node serving a good shard of the right block and stripe position, but of another
+    write of its key (another payload: its header and checksum hold): the block's shards
+    must be of one write, so it is decoded from those of shard 0's write instead of taking
+    the stranger's fragment."""
+    blocks = _lease(tier)
+    victim = blocks[4]
+    other = np.random.default_rng(99).integers(0, 256, SIZE, dtype=np.uint8)
+    stranger = tier.codec.encode(other, victim.key)[2]
+    found = tier.nodes[victim.placement[2]].locate([victim.key])[0]
+    assert found is not None
+    path, offset, length = found
+    assert len(stranger) == length - RECORD_BYTES
+    with open(path, "r+b") as file:
+        file.seek(offset + RECORD_BYTES)
+        file.write(np.asarray(stranger).tobytes())
+    _reads_whole_decoding_one(tier, blocks)
 
 
 def _answering(head: bytes) -> tuple[tuple[str, int], threading.Event]:
