@@ -44,12 +44,15 @@ import hashlib
 import heapq
 import hmac
 import math
+import operator
 import struct
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvstore.ec.shard import MAX_SHARDS as MAX_STRIPE_WIDTH
 from kvstore.errors import Forbidden, InvalidArgument
@@ -78,6 +81,7 @@ MAGIC = b"KVRCAP01"
 _DOMAIN = b"kvstore.read-capability.v1\x00"
 _HEAD = struct.Struct("<8sdHHI")  # magic, expires, lease id bytes, tenant bytes, grants
 _GRANT = struct.Struct("<II")  # node id, keys
+_KEY_ITEM = np.dtype(f"V{KEY_BYTES}")
 _SIGNED = struct.Struct("<dHHII")  # expires, lease id bytes, tenant bytes, node id, keys
 #: The largest encoding: every field at its bound.
 MAX_ENCODED_BYTES = (
@@ -227,8 +231,10 @@ class ReadCapability:
             if end + MAC_BYTES > len(view):
                 raise _malformed(f"ends inside node {node_id}'s part")
             raw = bytes(view[at:end])
-            names = tuple(raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES))
-            if any(a >= b for a, b in zip(names, names[1:], strict=False)):
+            # The keys as bytes, made in C (a fixed-size void item's tolist is its bytes,
+            # trailing zeros kept); strictly increasing, compared in C too.
+            names = tuple(np.frombuffer(raw, _KEY_ITEM).tolist())
+            if not all(map(operator.lt, names, names[1:])):
                 raise _malformed(f"node {node_id}'s keys out of order or repeated")
             grants[node_id] = NodeGrant(names, bytes(view[end : end + MAC_BYTES]), raw)
             at = end + MAC_BYTES

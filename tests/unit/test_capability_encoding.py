@@ -164,6 +164,17 @@ def test_keys_out_of_order_are_not_canonical() -> None:
     data[at : at + 64] = second + first
     with pytest.raises(CapabilityRefused, match="out of order"):
         ReadCapability.decode(bytes(data))
+    data[at : at + 64] = first + first
+    with pytest.raises(CapabilityRefused, match="repeated"):
+        ReadCapability.decode(bytes(data))
+
+
+def test_keys_that_end_in_zero_bytes_decode_whole() -> None:
+    keys = [bytes(31) + b"\1", b"\7" + bytes(31), bytes(32)]
+    capability = mint(KEY, "l", "a", NOW + 30, {4: keys})
+    again = ReadCapability.decode(capability.encode())
+    assert again.keys_for(4) == tuple(sorted(keys))
+    assert again.encode() == capability.encode()
 
 
 def test_mint_for_lease_names_every_placed_shard() -> None:
