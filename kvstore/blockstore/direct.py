@@ -155,8 +155,10 @@ class ReadBlocks:
         n = len(sizes)
         if keys.ndim == 2 and keys.dtype == np.uint64 and keys.shape[1] == 4:
             keys = np.ascontiguousarray(keys).view(np.uint8)
-        if sizes.ndim != 1:
-            raise ValueError(f"blocks: sizes must be one per block, (n,): {sizes.shape}")
+        if sizes.ndim != 1 or not np.issubdtype(sizes.dtype, np.integer):
+            raise ValueError(
+                f"blocks: sizes must be integers, one per block, (n,): {sizes.shape} {sizes.dtype}"
+            )
         if keys.shape != (n, 32) or keys.dtype != np.uint8:
             raise ValueError(
                 f"blocks: keys of {n} blocks must be (n, 32) uint8 or (n, 4) uint64: "
@@ -166,6 +168,8 @@ class ReadBlocks:
             raise ValueError(
                 f"blocks: placements of {n} blocks must be (n, width): {placements.shape}"
             )
+        if not np.issubdtype(placements.dtype, np.integer):
+            raise ValueError(f"blocks: placements must be node ids (integers): {placements.dtype}")
         self.keys = keys
         self.placements = placements
         self.sizes = sizes.astype(np.int64, copy=False)

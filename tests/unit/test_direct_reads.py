@@ -145,17 +145,22 @@ def test_blocks_given_as_a_leases_arrays_read_as_their_locations_do(tier: ReadNo
     assert reader.counters["decoded_blocks"] == 1
 
 
+_KEYS, _NODES, _SIZES = np.zeros((2, 32), np.uint8), np.zeros((2, 12), np.int32), np.ones(2, int)
+
+
 @pytest.mark.parametrize(
     ("keys", "placements", "sizes", "named"),
     [
-        (np.zeros((2, 31), np.uint8), np.zeros((2, 12)), np.zeros(2), "keys"),
-        (np.zeros((2, 32), np.uint8), np.zeros(24), np.zeros(2), "placements"),
-        (np.zeros((2, 32), np.uint8), np.zeros((3, 12)), np.zeros(2), "placements"),
-        (np.zeros((2, 4), np.uint64), np.zeros((2, 12)), np.zeros((2, 1)), "sizes"),
-        (np.zeros((2, 4), np.uint32), np.zeros((2, 12)), np.zeros(2), "keys"),
+        (np.zeros((2, 31), np.uint8), _NODES, _SIZES, "keys"),
+        (np.zeros((2, 4), np.uint32), _NODES, _SIZES, "keys"),
+        (_KEYS, np.zeros(24, np.int32), _SIZES, "placements"),
+        (_KEYS, np.zeros((3, 12), np.int32), _SIZES, "placements"),
+        (_KEYS, np.zeros((2, 12)), _SIZES, "placements"),  # floats
+        (np.zeros((2, 4), np.uint64), _NODES, np.ones((2, 1), int), "sizes"),
+        (_KEYS, _NODES, np.ones(2), "sizes"),  # floats
     ],
 )
-def test_read_blocks_of_the_wrong_shapes_are_refused_naming_what(
+def test_read_blocks_of_the_wrong_shapes_or_types_are_refused_naming_what(
     keys: np.ndarray, placements: np.ndarray, sizes: np.ndarray, named: str
 ) -> None:
     with pytest.raises(ValueError, match=named):
