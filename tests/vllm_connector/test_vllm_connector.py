@@ -111,7 +111,7 @@ def test_blocks_corrupted_beyond_repair_are_recomputed_and_the_output_still_matc
 def test_two_storage_nodes_killed_and_a_fresh_engine_still_hits(
     tiny_model, running_tier, baseline, tmp_path
 ) -> None:
-    pids = actor_pids("StorageNodeActor")
+    pids = actor_pids("StorageNodeActor", running_tier)
     assert len(pids) == 12, f"expected 12 storage node processes, found {len(pids)}"
     for pid in pids[:2]:
         os.kill(pid, signal.SIGKILL)

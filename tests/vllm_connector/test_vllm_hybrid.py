@@ -130,7 +130,7 @@ def test_blocks_damaged_beyond_repair_are_recomputed_and_the_output_still_matche
 def test_with_the_swa_stores_memory_lost_hits_fall_back_and_the_output_still_matches(
     tiny_gemma, running_tier, hybrid_oracle, tmp_path
 ) -> None:
-    pids = actor_pids("SWAStoreActor")
+    pids = actor_pids("SWAStoreActor", running_tier)
     assert pids, "no SWA store process found"
     with KVStoreClient(running_tier.address) as client:
         before = client.stats().classes

@@ -180,15 +180,29 @@ def hits(result: dict) -> list[int]:
     return [r["num_cached_tokens"] for r in result["results"]]
 
 
-def actor_pids(actor_class: str) -> list[int]:
-    """The processes of the tier's Ray actors of ``actor_class``, by process title. Ray titles
-    an idle actor ``ray::Class`` and one running a method ``ray::Class.method``: a storage
-    node in the middle of a scrub or a heartbeat is still a storage node."""
-    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    pids = []
-    for line in listing.splitlines():
-        pid, _, title = line.strip().partition(" ")
-        name = title.split(" ", 1)[0]
+def actor_pids(actor_class: str, tier: TierProcess) -> list[int]:
+    """The processes of ``tier``'s Ray actors of ``actor_class``, by process title, among the
+    tier process's descendants (its embedded Ray's raylet starts them): another tier on the
+    machine, a chaos run's beside this suite, has actors of the same titles. Ray titles an
+    idle actor ``ray::Class`` and one running a method ``ray::Class.method``: a storage node
+    in the middle of a scrub or a heartbeat is still a storage node."""
+    listing = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
+    parents: dict[int, int] = {}
+    titled = []
+    for line in listing.splitlines()[1:]:
+        pid, ppid, *title = line.split(maxsplit=2)
+        parents[int(pid)] = int(ppid)
+        name = title[0].split(" ", 1)[0] if title else ""
         if name == f"ray::{actor_class}" or name.startswith(f"ray::{actor_class}."):
-            pids.append(int(pid))
-    return pids
+            titled.append(int(pid))
+
+    def under_tier(pid: int) -> bool:
+        for _ in range(64):  # a chain of parents, bounded
+            if pid == tier.process.pid:
+                return True
+            if pid not in parents or pid <= 1:
+                return False
+            pid = parents[pid]
+        return False
+
+    return [pid for pid in titled if under_tier(pid)]
