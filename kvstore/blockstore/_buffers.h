@@ -1,5 +1,6 @@
-/* What the block tier's C extensions (_probe.c, _shardsums.c, _recvpieces.c) share: taking a
- * Python buffer argument as one C-contiguous block of memory, or a TypeError naming it. */
+/* What the block tier's C extensions (_probe.c, _shardsums.c, _recvpieces.c, _sendrecords.c,
+ * _keymix.c) share: taking a Python buffer argument as one C-contiguous block of memory, or a
+ * TypeError naming it. */
 #ifndef KVSTORE_BLOCKSTORE_BUFFERS_H
 #define KVSTORE_BLOCKSTORE_BUFFERS_H
 

@@ -22,6 +22,15 @@
  * against ~0.6 at the end of the read (perf samples of the reader). A reply that is not the expected one (a refusal, a shard missing, another length)
  * stops there with its head in, and readlinks' Python takes it on from its table; a failure,
  * the end of the stream or the deadline stops a reply where it stood.
+ *
+ * Once a reply's head is the expected one, its socket wakes the poll only when WAKE_BYTES of
+ * it (or all that is left, if less) are in (SO_RCVLOWAT): otherwise the reader woke for every
+ * few tens of KiB a node's sends delivered, ~4 polls and receives a reply, each wake-up a
+ * context switch. Measured on a deployed tier (64 x 111 KiB reads, 730 KB from each node),
+ * the reader's CPU per GB fell 5-10 %. The mark is set only on a reply whose length is known
+ * (a short refusal would never reach it and wait out the deadline) and put back to 1 before
+ * the call returns, for the Python paths that read the socket next. The kernel still wakes
+ * the poll at the end of the stream, on an error, or when the receive window runs short.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,6 +47,8 @@
 
 #define MAX_BUFFERS 8
 #define MAX_IOV 1024 /* IOV_MAX on Linux */
+/* A reply's socket wakes the poll once this many of its bytes are in (see the top). */
+#define WAKE_BYTES (256 * 1024)
 
 /* The iovec of the pieces from (first, skip) on, at most room bytes and MAX_IOV pieces, into
  * iov; its byte count into *asked. -1 where a piece it would use lies outside its buffer (its
@@ -191,7 +202,20 @@ typedef struct {
     const char *table; /* the table of the expected reply */
     int64_t data, lo, hi; /* its shard bytes without prefixes; its rows */
     int64_t *state;
+    int64_t total; /* the whole reply's bytes, head included, once its head is in */
+    int wake;      /* its socket's SO_RCVLOWAT as set here; 0: untouched (the kernel's 1) */
 } reply_t;
+
+/* Wake the poll on r's socket once ``bytes`` are in (at least 1). */
+static void
+wake_at(reply_t *r, int64_t bytes)
+{
+    int want = bytes < 1 ? 1 : bytes > WAKE_BYTES ? WAKE_BYTES : (int)bytes;
+    if (want == (r->wake ? r->wake : 1))
+        return;
+    if (setsockopt(r->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) == 0)
+        r->wake = want;
+}
 
 typedef struct {
     Py_buffer *targets;
@@ -330,6 +354,7 @@ step(reply_t *r, const layout_t *l)
             l->lengths[row * l->columns] = l->first_bytes + prefix;
         }
         st[S_PHASE] = DATA;
+        r->total = r->head_len + (int64_t)little((const unsigned char *)r->head + 16, 8);
         st[S_FIRST] = r->lo * l->columns;
         st[S_SKIP] = 0;
         st[S_CHECKED] = r->lo;
@@ -368,8 +393,10 @@ step(reply_t *r, const layout_t *l)
         /* Each shard whole now is checked while its bytes are still in the cache. */
         for (; l->sums && st[S_CHECKED] < first / l->columns; st[S_CHECKED]++)
             check_row(l, st[S_CHECKED]);
-        if ((size_t)got < asked) /* a short read: the socket held no more */
+        if ((size_t)got < asked) { /* a short read: the socket held no more */
+            wake_at(r, r->total - st[S_RECEIVED]);
             return;
+        }
     }
     st[S_PHASE] = DONE;
 }
@@ -575,6 +602,9 @@ take_replies(PyObject *self, PyObject *args)
     do {
         Py_BEGIN_ALLOW_THREADS
         error = take(replies, polls, m, &layout, deadline);
+        for (Py_ssize_t i = 0; i < m; i++)
+            if (replies[i].wake > 1)
+                wake_at(&replies[i], 1); /* the kernel's default, for whoever reads next */
         Py_END_ALLOW_THREADS
     } while (error == EINTR && PyErr_CheckSignals() == 0);
     if (!PyErr_Occurred())

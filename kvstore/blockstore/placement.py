@@ -24,11 +24,18 @@ a whole batch with numpy (no Python loop per pair).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import key_words as _key_words
+
+_native: ModuleType | None
+try:  # the keys' hash in C; without a compiler at install, the numpy reference serves
+    from kvstore.blockstore import _keymix as _native
+except ImportError:  # pragma: no cover - the CI machine builds it
+    _native = None
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -65,7 +72,13 @@ def _node_salts(nodes: np.ndarray) -> np.ndarray:
 
 def _key_hash(words: np.ndarray, seed: np.uint64) -> np.ndarray:
     """A 64-bit hash of all 32 key bytes (keys are BLAKE2 digests in production, but tools and
-    tests use structured keys too: every word must count)."""
+    tests use structured keys too: every word must count). In C where built (``_keymix``: the
+    numpy chain below is ~40 array operations, most of a meta shard's check of a call's keys);
+    this is its reference."""
+    if _native is not None and words.ndim == 2 and words.shape[1]:
+        out = np.empty(words.shape[0], np.uint64)
+        _native.key_hash(np.ascontiguousarray(words, np.uint64), words.shape[1], int(seed), out)
+        return out
     mixed = _splitmix64(words[:, 0] ^ seed)
     for column in range(1, words.shape[1]):
         mixed = _splitmix64(mixed ^ words[:, column])

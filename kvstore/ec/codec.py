@@ -225,17 +225,23 @@ class Codec:
         first = np.uintp(base + shift + HEADER_BYTES)
         table = (first + rank.reshape(-1).astype(np.uintp) * np.uintp(row_len)).tobytes()
         step, data_bytes = total * _POINTER_BYTES, k * _POINTER_BYTES
-        padded = None if size == k * fragment_len else np.zeros(k * fragment_len, np.uint8)
+        # Each payload is copied once, straight into its rows: its ``full`` whole fragments,
+        # then the ``rest`` of its bytes into the next one, whose tail (and any data fragment
+        # after it) is the zero padding, written for the whole batch at once.
+        full, rest = divmod(size, fragment_len)
+        cut = full * fragment_len
+        if full < k:
+            rows[rank[:, full], HEADER_BYTES + rest :] = 0
+            rows[rank[:, full + 1 : k].reshape(-1), HEADER_BYTES:] = 0
         headers = []
         for b, data in enumerate(datas):
             # Hash the payload before copying it: the copy then reads it back from cache.
             payload = payloads[b]
             whole: bytes | memoryview = payload if type(payload) is bytes else data.data
             headers.append(header_bytes(blocks[b], 0, k, self.m, size, xxh3_64_digest(whole)))
-            if padded is not None:  # the last fragment's tail (and any whole fragment) is zero
-                padded[:size] = data
-                data = padded
-            rows[rank[b, :k], HEADER_BYTES:] = data.reshape(k, fragment_len)
+            rows[rank[b, :full], HEADER_BYTES:] = data[:cut].reshape(full, fragment_len)
+            if rest:
+                rows[rank[b, full], HEADER_BYTES : HEADER_BYTES + rest] = data[cut:]
             sources = table[b * step : (b + 1) * step]
             self._isal.run(
                 self._isal.encode_tables, self.m, fragment_len, sources, sources[data_bytes:]

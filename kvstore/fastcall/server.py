@@ -223,7 +223,7 @@ class FastCallServer:
             conn.discard(size, deadline)
             return wire.encode((False, f"busy: {self._budget.refusal(size, self._budget_wait)}"))
         try:
-            method, args = call_of(conn.recv_body(size, deadline))
+            method, args = call_of(conn.recv_array(size, deadline))
         except WireError as error:  # an undecodable message: drop this peer
             log.warning("fastcall: dropped a peer: %s", error)
             return None

@@ -554,6 +554,31 @@ def test_replies_cut_anywhere_by_the_stream_land_whole(tier: ReadNodes, receive_
     assert reader.counters["replies_taken_at_once"] == (12 if receive_in == "c" else 0)
 
 
+def test_replies_past_a_wake_up_land_whole_and_leave_each_socket_waking_at_one_byte(
+    tier: ReadNodes, receive_in: str
+) -> None:
+    """``take_replies`` has a socket wake the poll only once a good part of its reply is in
+    (SO_RCVLOWAT, never more than the reply has left: replies of ~245 KB and ~730 KB a node
+    here), and puts the mark back to 1 before it returns: a later reply the Python path
+    takes, a short refusal, would otherwise wait out the deadline for bytes that never come."""
+    big = tier.put([block_key("big", i) for i in range(64)], 113_664, seed=1)
+    reader = DirectReader(tier.endpoints, 10, 2)
+    for blocks, size in ((_lease(tier), SIZE), (big, 113_664)):
+        out = np.zeros(len(blocks) * size, np.uint8)
+        started = time.monotonic()
+        assert reader.read_into(tier.capability(blocks), blocks, out) == [True] * len(blocks)
+        assert time.monotonic() - started < 2.5  # well inside the reader's 5 s deadline
+        for b, block in enumerate(blocks):
+            assert np.array_equal(out[b * size : (b + 1) * size], tier.payloads[block.key]), b
+        marks = [
+            conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+            for conn in reader._links._conns.values()
+        ]
+        assert len(marks) == 12 and set(marks) == {1}
+    assert reader.counters["decoded_blocks"] == 0 and reader.counters["node_failures"] == 0
+    assert reader.counters["replies_taken_at_once"] == (24 if receive_in == "c" else 0)
+
+
 def test_a_node_that_stalls_mid_reply_costs_the_deadline_and_its_bytes_are_not_trusted(
     tier: ReadNodes, receive_in: str
 ) -> None:

@@ -655,10 +655,14 @@ def test_encode_many_is_encode_block_by_block(codec: Codec, fallback: Codec, siz
         codec.encode_many(payloads, keys[:2])
 
 
-@pytest.mark.parametrize("size", [BLOCK, 100])
+# A V4 block, one fragment of bytes and a few zeros, fragments exactly full (all k; the first
+# two, the rest padding), and a V4 block with one byte short of a whole last fragment.
+@pytest.mark.parametrize("size", [BLOCK, 100, 640, 128, 10 * 11_392 - 1])
 def test_encode_rows_puts_each_shard_in_the_row_its_rank_names(codec: Codec, size: int) -> None:
     """A writer ranks a batch's shards by node: shard i of block b lands in row rank[b, i],
-    byte for byte what ``encode`` makes of it; a rank that is not a permutation is refused."""
+    byte for byte what ``encode`` makes of it (the padding zeros included, written into
+    memory that held other bytes); a rank that is not a permutation is refused."""
+    np.full(5 * 12 * codec.shard_length(size) + 64, 0xA5, np.uint8)  # freed: dirty memory
     keys = [bytes([i]) * 32 for i in range(5)]
     payloads = [payload_of(size, seed) for seed in range(5)]
     rank = np.random.default_rng(3).permutation(5 * 12).reshape(5, 12)

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from kvstore.blockstore import placement
 from kvstore.blockstore.placement import meta_shard_of, place, replacement
 from kvstore.errors import InvalidArgument
 
@@ -23,7 +24,18 @@ def _keys(count: int, salt: bytes = b"") -> list[bytes]:
     ]
 
 
-def test_placement_is_golden_and_independent_of_process_and_input_order() -> None:
+@pytest.fixture(params=["c", "numpy"])
+def key_hash_in(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The keys' hash by the C extension (``_keymix``; the CI machine builds it), or by its
+    numpy reference."""
+    if request.param == "numpy":
+        monkeypatch.setattr(placement, "_native", None)
+    else:
+        assert placement._native is not None
+    return str(request.param)
+
+
+def test_placement_is_golden_and_independent_of_process_and_input_order(key_hash_in: str) -> None:
     keys = [bytes(range(i, i + 32)) for i in range(3)]
     expected = [
         [7, 0, 1, 10, 11, 8, 3, 9, 5, 2, 13, 6],
@@ -42,6 +54,18 @@ def test_placement_is_golden_and_independent_of_process_and_input_order() -> Non
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == f"{expected} [0, 1, 1]"
+
+
+def test_the_keys_hash_in_c_is_the_numpy_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    words = np.frombuffer(b"".join(_keys(3000)), "<u8").reshape(3000, 4)
+    structured = np.arange(4 * 64, dtype=np.uint64).reshape(64, 4)
+    cases = [words, words[:1], words[:0], words[:, :3], structured, words[::2]]
+    seeds = [placement._META_SALT, placement._PLACEMENT_SEED, np.uint64(2**64 - 1)]
+    in_c = [placement._key_hash(case, seed) for case in cases for seed in seeds]
+    monkeypatch.setattr(placement, "_native", None)
+    reference = [placement._key_hash(case, seed) for case in cases for seed in seeds]
+    for got, want in zip(in_c, reference, strict=True):
+        assert got.dtype == want.dtype == np.uint64 and np.array_equal(got, want)
 
 
 def test_a_stripe_never_has_two_shards_in_one_domain() -> None:
