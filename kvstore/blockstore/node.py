@@ -56,7 +56,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -82,7 +82,7 @@ from kvstore.blockstore.shardindex import ShardIndex
 from kvstore.clock import Clock, SystemClock
 from kvstore.ec.shard import ShardHeader, parse_rows, parse_shard
 from kvstore.errors import ConfigError, CorruptShard, InvalidArgument, NodeDraining, StoreError
-from kvstore.keys import KEY_BYTES, BlockKey, check_key
+from kvstore.keys import KEY_BYTES, BlockKey, check_key, check_keys
 from kvstore.privatefs import PrivateDir
 
 if TYPE_CHECKING:
@@ -292,19 +292,23 @@ class StorageNode:
                 f"storage node {self.node_id} is draining: it takes no new shards "
                 "(it still serves reads, commits and deletes)"
             )
+        checked = check_keys(keys)
         now = self._clock.now()
-        positions, indices, lengths, payload_lens, digests = self._accepted(keys, shards)
+        taken = self._accepted(checked, shards)
+        positions = taken.positions.tolist()
         results = [False] * count
         self._counters["put_refused"] += count - len(positions)
         if not positions:
             return results
-        chosen = [bytes(keys[p]) for p in positions]
+        whole = len(positions) == count
+        chosen = checked if whole else [checked[p] for p in positions]
         # A whole 2-D batch goes to the log as it is (its headers' fields cut out at once).
-        whole = isinstance(shards, np.ndarray) and len(positions) == count
         # (an array is a sequence of its rows; numpy's stubs do not say so)
-        bodies: Sequence[object] = shards if whole else [shards[p] for p in positions]  # type: ignore[assignment]
-        born = np.asarray(created, np.float64)[positions]
-        kinds = np.asarray(class_ids, np.int64)[positions]
+        bodies: Sequence[object] = (
+            shards if whole and isinstance(shards, np.ndarray) else [shards[p] for p in positions]  # type: ignore[assignment]
+        )
+        born = np.asarray(created, np.float64)[taken.positions]
+        kinds = np.asarray(class_ids, np.int64)[taken.positions]
         first_lsn = self._log.take_lsns(len(positions))
         heads = record_headers(
             SHARD,
@@ -312,10 +316,10 @@ class StorageNode:
             chosen,
             token=token,
             class_id=kinds,
-            index=indices,
+            index=taken.stripe,
             created=born,
             stamp=now,
-            body_len=lengths,
+            body_len=taken.length,
             flags=FLAG_COMMITTED if commit else 0,
         )
         try:
@@ -330,50 +334,46 @@ class StorageNode:
             committed=commit,
             seg=seq,
             offset=offsets,
-            body_len=lengths,
-            index=indices,
+            body_len=taken.length,
+            index=taken.stripe,
             class_id=kinds,
             created=born,
             stamp=now,
             lsn=np.arange(first_lsn, first_lsn + len(chosen), dtype=np.uint64),
-            payload_len=payload_lens,
-            payload_hash=digests,
+            payload_len=taken.payload_len,
+            payload_hash=taken.payload_hash,
         )
-        for position in positions:
-            results[position] = True
+        if whole:
+            results = [True] * count
+        else:
+            for position in positions:
+                results[position] = True
         self._counters["puts"] += len(chosen)
         self._counters["commits"] += len(chosen) if commit else 0
-        self._counters["bytes_written"] += len(chosen) * RECORD_BYTES + sum(lengths)
+        self._counters["bytes_written"] += len(chosen) * RECORD_BYTES + int(taken.length.sum())
         return results
 
-    def _accepted(
-        self, keys: Sequence[bytes], shards: Sequence[np.ndarray] | np.ndarray
-    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-        """The shards of a put this node takes, in order: (positions, stripe indices, shard
-        lengths, payload lengths, payload hashes as the index keeps them). Refused: a shard
-        that fails its checksum or is another block's (logged), and what does not fit."""
+    def _accepted(self, keys: list[BlockKey], shards: Sequence[np.ndarray] | np.ndarray) -> _Taken:
+        """The shards of a put this node takes, in order. Refused: a shard that fails its
+        checksum or is another block's (logged), and what does not fit."""
         room = self._room()
         if isinstance(shards, np.ndarray) and shards.ndim == 2 and len(keys) == len(shards):
             # The client's batch: one array, checked as a whole (``parse_rows``).
-            words = np.frombuffer(b"".join([check_key(key) for key in keys]), np.uint8)
-            parsed = parse_rows(np.ascontiguousarray(shards), words.reshape(len(keys), 32))
-            for position in np.flatnonzero(~parsed.ok).tolist():
-                self._refuse(keys[position], shards[position])
+            words = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), KEY_BYTES)
+            parsed = parse_rows(np.ascontiguousarray(shards), words)
+            if not parsed.ok.all():
+                for position in np.flatnonzero(~parsed.ok).tolist():
+                    self._refuse(keys[position], shards[position])
             record = RECORD_BYTES + shards.shape[1]
-            fits = max(0, room) // record
-            chosen = np.flatnonzero(parsed.ok)[:fits]
-            return (
-                chosen.tolist(),
-                parsed.index[chosen].tolist(),
-                [shards.shape[1]] * len(chosen),
-                parsed.payload_len[chosen].tolist(),
-                parsed.payload_hash_raw[chosen].tolist(),
+            chosen = np.flatnonzero(parsed.ok)[: max(0, room) // record]
+            return _Taken(
+                chosen,
+                parsed.index[chosen],
+                np.full(len(chosen), shards.shape[1], np.int64),
+                parsed.payload_len[chosen],
+                parsed.payload_hash_raw[chosen],
             )
-        positions: list[int] = []
-        indices: list[int] = []
-        digests: list[int] = []
-        lengths: list[int] = []
-        payload_lens: list[int] = []
+        rows: list[tuple[int, int, int, int, int]] = []
         size = 0
         for position, (key, shard) in enumerate(zip(keys, shards, strict=True)):
             parsed_one = self._refuse(key, shard)
@@ -383,16 +383,26 @@ class StorageNode:
             if size + record > room:
                 continue
             size += record
-            positions.append(position)
-            indices.append(parsed_one.index)
-            lengths.append(parsed_one.shard_len)
-            payload_lens.append(parsed_one.payload_len)
-            digests.append(_raw_word(parsed_one.payload_hash))
-        return positions, indices, lengths, payload_lens, digests
+            rows.append(
+                (
+                    position,
+                    parsed_one.index,
+                    parsed_one.shard_len,
+                    parsed_one.payload_len,
+                    _raw_word(parsed_one.payload_hash),
+                )
+            )
+        columns = np.array(rows, np.uint64).reshape(len(rows), 5).T
+        return _Taken(
+            columns[0].astype(np.int64),
+            columns[1].astype(np.int64),
+            columns[2].astype(np.int64),
+            columns[3],
+            columns[4],
+        )
 
-    def _refuse(self, key: bytes, shard: np.ndarray) -> ShardHeader | None:
+    def _refuse(self, key: BlockKey, shard: np.ndarray) -> ShardHeader | None:
         """The header of ``shard`` if it is whole and ``key``'s; else None, the reason logged."""
-        key = check_key(key)
         try:
             parsed = parse_shard(shard)
             if parsed.key != key:
@@ -769,6 +779,16 @@ class StorageNode:
         self._counters["bytes_compacted"] += done["bytes_moved"]
         self._counters["segments_compacted"] += done["segments_removed"]
         return done
+
+
+class _Taken(NamedTuple):
+    """The shards of a put a node takes (``StorageNode._accepted``), an entry each, in order."""
+
+    positions: np.ndarray  # int64: where in the call's batch
+    stripe: np.ndarray  # int64: stripe index
+    length: np.ndarray  # int64: shard (record body) bytes
+    payload_len: np.ndarray  # uint64
+    payload_hash: np.ndarray  # uint64: the hash's 8 bytes as the index keeps them (_raw_word)
 
 
 def _raw_word(payload_hash: int) -> int:

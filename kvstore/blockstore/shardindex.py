@@ -102,23 +102,28 @@ class ShardIndex:
         one). What a new record replaces is dropped, as a replay of the log replaces it: a
         pending shard of the same key and token (a retried put) for a pending one, the key's
         committed shard for a committed one. Returns the rows."""
-        rows = self._add_many(len(keys), **values)
-        pending, held = self._pending, self._committed
-        for key, row in zip(keys, rows, strict=True):
-            older = held.get(key) if committed else pending.get((key, token))
+        rows, at = self._add_many(len(keys), **values)
+        if committed:
+            held: dict[Any, int] = self._committed
+            names: Sequence[Any] = keys
+        else:
+            held, names = self._pending, [(key, token) for key in keys]
+        for name, row in zip(names, rows, strict=True):
+            older = held.get(name)
             if older is not None:
                 self._drop(older)
-            if committed:
-                held[key] = row
-            else:
-                pending[(key, token)] = row
-        # Counted in per segment at once (a batch is one append: one segment), not a row at a
-        # time; the order against the drops above does not change the sums.
-        at = np.asarray(rows, np.int64)
+            held[name] = row
+        # Counted in per segment at once, not a row at a time (the order against the drops
+        # above does not change the sums). A put's batch is one append: one segment.
         seqs = self._columns["seg"][at]
         sizes = self._columns["body_len"][at].astype(np.int64) + RECORD_BYTES
-        for seq in np.unique(seqs).tolist():
-            live = self._live.get(seq, 0) + int(sizes[seqs == seq].sum())
+        groups = (
+            [(int(seqs[0]), sizes)]
+            if len(seqs) and (seqs == seqs[0]).all()
+            else [(seq, sizes[seqs == seq]) for seq in np.unique(seqs).tolist()]
+        )
+        for seq, of_seq in groups:
+            live = self._live.get(seq, 0) + int(of_seq.sum())
             if live:
                 self._live[seq] = live
             else:
@@ -167,8 +172,11 @@ class ShardIndex:
         self._columns["offset"][row] = offset
         self._count(row, 1)
 
-    def _add_many(self, count: int, **values: Any) -> list[int]:
-        """Rows for ``count`` new shards, their columns set from ``values`` (per row or one)."""
+    def _add_many(self, count: int, **values: Any) -> tuple[list[int], np.ndarray]:
+        """Rows for ``count`` new shards, their columns set from ``values`` (per row or one):
+        the rows as a list and as an array."""
+        if not count:  # (``self._free[-0:]`` would be every free row)
+            return [], np.zeros(0, np.int64)
         while len(self._free) < count:
             self._grow_to(2 * len(self._columns["seg"]))
         rows = self._free[-count:][::-1]
@@ -176,7 +184,7 @@ class ShardIndex:
         at = np.array(rows, np.int64)
         for name, value in values.items():
             self._columns[name][at] = value
-        return rows
+        return rows, at
 
     def _count(self, row: int, sign: int) -> None:
         """Count row ``row``'s record in (1) or out of (-1) its segment's live bytes; a segment

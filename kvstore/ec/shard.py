@@ -323,12 +323,26 @@ def parse_rows(rows: np.ndarray, keys: np.ndarray) -> ShardRows:
     """``parse_shard`` of every row of ``rows`` ((n, L) uint8, C-contiguous: n shards of one
     length L) at once, and whether each belongs to the key of its row of ``keys`` ((n, 32)
     uint8). The checks are ``parse_shard``'s (magic, version, geometry, length, checksum over
-    [8, L)), run as array passes and one hash call a row: a storage node takes a batch of
-    shards without a Python object per shard. A row that fails is not ok; ``parse_shard`` on it
-    says why."""
+    [8, L)): a storage node takes a batch of shards without a Python object per shard. One C
+    pass (``_shardsums.check_rows``; ~20 us for a node's 64 shards of 11 KiB, where the array
+    passes below, its reference and its stand-in, took ~95). A row that fails is not ok;
+    ``parse_shard`` on it says why."""
     n, length = rows.shape
     if length < HEADER_BYTES or not rows.flags.c_contiguous or rows.dtype != np.uint8:
         raise InvalidArgument("shards", "must be C-contiguous uint8 rows of a whole header")
+    if _sums is None:
+        return _parse_rows_in_arrays(rows, keys)
+    ok = np.empty(n, np.uint8)
+    index = np.empty(n, np.int64)
+    payload_len = np.empty(n, np.uint64)
+    payload_hash_raw = np.empty(n, np.uint64)
+    _sums.check_rows(rows, length, keys, ok, index, payload_len, payload_hash_raw)
+    return ShardRows(ok.view(np.bool_), index, payload_len, payload_hash_raw)
+
+
+def _parse_rows_in_arrays(rows: np.ndarray, keys: np.ndarray) -> ShardRows:
+    """``parse_rows`` as array passes over the batch."""
+    n, length = rows.shape
     head = rows[:, :HEADER_BYTES]
     index = head[:, INDEX_OFFSET].astype(np.int64)
     k = head[:, 14].astype(np.int64)

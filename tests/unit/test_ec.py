@@ -693,3 +693,47 @@ def test_row_sums_in_c_are_the_checksums_the_python_loop_computes(
     assert in_c == b"".join(xxhash.xxh3_64_digest(bytes(row[8:])) for row in rows)
     with pytest.raises(ValueError):
         extension.row_sums(rows, 1000)  # rows of 1064 bytes are not rows of 1000
+
+
+def test_a_nodes_batch_check_in_c_is_the_array_passes_and_parse_shard() -> None:
+    """A node checks a put's rows in one C call (``_shardsums.check_rows``): for every header
+    field damaged (each re-checksummed, so only the field's own check can refuse it), a body
+    byte, a key that is not the row's, and sound rows, it finds what the array passes it stands
+    in for find, and a row passes exactly when ``parse_shard`` takes it for its key."""
+    from kvstore.ec import shard as module
+
+    codec = Codec(10, 2)
+    keys = [bytes([n]) * 32 for n in range(4)]
+    sound = np.stack([codec.encode(payload_of(4000, n), keys[n])[n + 3] for n in range(4)])
+    length = sound.shape[1]
+    # (byte, value) set in a row: magic; index past k + m; version; k = 0, m = 0; k + m = 33;
+    # payload lengths that need a longer, a shorter and an impossibly long fragment; the key.
+    fields = [(8, 0x41), (12, 12), (13, 2), (14, 0), (15, 0), (14, 31), (17, 0x1F), (17, 0),
+              (21, 0xFF), (23, 0xFF), (40, 0x41)]  # fmt: skip
+    rows, row_keys = [], []
+    for n, (at, value) in enumerate(fields):
+        row = sound[n % 4].copy()
+        row[at] = value
+        row[:8] = np.frombuffer(xxhash.xxh3_64_digest(row[8:]), np.uint8)
+        rows.append(row)
+        row_keys.append(keys[n % 4])
+    body = sound[0].copy()
+    body[500] ^= 1
+    rows += [body, sound[1], *sound]
+    row_keys += [keys[0], keys[2], *keys]  # the second: another block's shard
+    batch = np.stack(rows)
+    words = np.frombuffer(b"".join(row_keys), np.uint8).reshape(len(rows), 32)
+    assert module._sums is not None  # built with the package (CI builds it)
+    in_c = module.parse_rows(batch, words)
+    reference = module._parse_rows_in_arrays(batch, words)
+    assert in_c.ok.tolist() == reference.ok.tolist() == [False] * 13 + [True] * 4
+    for name in ("index", "payload_len", "payload_hash_raw"):
+        assert getattr(in_c, name).tolist() == getattr(reference, name).tolist(), name
+    for row, key, ok in zip(rows, row_keys, in_c.ok.tolist(), strict=True):
+        try:
+            taken = parse_shard(row).key == key
+        except CorruptShard:
+            taken = False
+        assert taken == ok
+    with pytest.raises(ValueError):
+        module._sums.check_rows(batch, length - 1, words, *(np.empty(17, t) for t in "BqQQ"))

@@ -64,3 +64,13 @@ def test_callers_cannot_change_the_maps_or_columns_behind_its_back() -> None:
     with pytest.raises(ValueError, match="read-only"):
         index.column("seg")[0] = np.uint32(5)
     assert index.get("seg", index.pending[(A, 7)]) == 1
+
+
+def test_a_batch_over_two_segments_counts_each_and_an_empty_one_takes_no_row() -> None:
+    index = ShardIndex(capacity=4)
+    rows = index.add(7, [A, B], seg=np.array([1, 2]), offset=[64, 64], body_len=[10, 20])
+    assert dict(index.live) == {1: RECORD_BYTES + 10, 2: RECORD_BYTES + 20}
+    assert index.add(7, [], seg=3, offset=[], body_len=[]) == []
+    assert dict(index.live) == {1: RECORD_BYTES + 10, 2: RECORD_BYTES + 20}
+    third = index.add(7, [bytes([3]) * 32], seg=3, offset=[64], body_len=5)
+    assert third[0] not in rows  # the free rows were all still there
