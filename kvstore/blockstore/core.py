@@ -123,10 +123,10 @@ class ClientCore:
         now = time.monotonic()
         return sorted(node for node, until in self._draining_until.items() if until > now)
 
-    def _mark_ok(self, node: int, seconds: float) -> None:
+    def _mark_ok(self, node: int, seconds: float, upper_bound: bool = False) -> None:
         self._retry_at.pop(node, None)
         self._failures_in_a_row.pop(node, None)
-        self._note_latency(node, seconds)
+        self._note_latency(node, seconds, upper_bound=upper_bound)
 
     def slow_nodes(self) -> set[int]:
         """Nodes much slower than the median (see ``_SLOW_FACTOR``): reads ask them last."""
@@ -137,18 +137,27 @@ class ClientCore:
         threshold = max(_SLOW_FACTOR * median, median + _SLOW_MARGIN_S)
         return {node for node, v in latency.items() if v > threshold}
 
-    def _note_latency(self, node: int, seconds: float, lower_bound: bool = False) -> None:
+    def _note_latency(
+        self, node: int, seconds: float, lower_bound: bool = False, upper_bound: bool = False
+    ) -> None:
         """Fold one call's latency into the node's moving estimate. A ``lower_bound`` is a call
         given up because the read completed without it: the node was slower than the nodes
         asked after it, and its estimate becomes at least that wait at once (never lower: a
         slow node's probes are given up as soon as their read completes, and folding those
         short waits in as answers made the node look fast again in the middle of its slow
-        spell, so read after read waited for its hedge). Answers bring it back down."""
+        spell, so read after read waited for its hedge). Answers bring it back down.
+        An ``upper_bound`` is an answer taken with others after one wait (a reader that sleeps
+        until all its calls answered): the node answered within that time, maybe long before,
+        so it only lowers the estimate. Folded in as a time, a reader's own stall (descheduled,
+        or waiting on a hung node) raised every node's estimate at once, and a node known slow
+        fell under twice the median and was asked, and hedged, again."""
         previous = self._latency.get(node)
         if previous is None:
             self._latency[node] = seconds
         elif lower_bound:
             self._latency[node] = max(previous, seconds)
+        elif upper_bound and seconds >= previous:
+            return  # answered within ``seconds``: no news
         else:
             self._latency[node] = (1 - _EWMA) * previous + _EWMA * seconds
 

@@ -228,8 +228,10 @@ class BlockReads(ClientCore):
                 ticket = self._fanout.submit(node_target(node), StorageNodeCalls.get, [key])
                 calls[ticket] = _Call(node, [(position, index)], time.monotonic())
 
-        def take(ready: list[Ticket[tuple[np.ndarray, np.ndarray]]]) -> None:
-            """Fold the answers of ``ready`` calls in (a failed node counts as down)."""
+        def take(ready: list[Ticket[tuple[np.ndarray, np.ndarray]]], together: bool) -> None:
+            """Fold the answers of ``ready`` calls in (a failed node counts as down); taken
+            ``together`` (after a wait for all, or a look at what came in), each node's time is
+            only a bound on its latency (``_note_latency``)."""
             for ticket in ready:
                 call = calls.pop(ticket)
                 try:
@@ -239,7 +241,7 @@ class BlockReads(ClientCore):
                     down.add(call.node)
                     answer = [None] * len(call.items)
                 else:
-                    self._mark_ok(call.node, time.monotonic() - call.started)
+                    self._mark_ok(call.node, time.monotonic() - call.started, together)
                 for (position, index), shard in zip(call.items, answer, strict=True):
                     outstanding[position] -= 1
                     answered[position].add(index)
@@ -253,7 +255,7 @@ class BlockReads(ClientCore):
                 hedged = True
                 # Answers that came in count first: a reader descheduled past ``hedge_at`` (a
                 # busy host) must not hedge a read whose shards are only waiting to be taken.
-                take(self._fanout.wait(list(calls), 0.0))
+                take(self._fanout.wait(list(calls), 0.0), together=True)
                 late = short(include_outstanding=False)
                 if late:
                     self.counters["hedged_reads"] += 1
@@ -266,7 +268,8 @@ class BlockReads(ClientCore):
             # the nodes need on a small machine; a failed node is topped up right after). After
             # it, wake per answer: a hung node must not hold up blocks that are complete.
             # (Every few reads wake per answer anyway, to keep per-node latencies measured.)
-            take(self._fanout.wait(list(calls), limit, all_of=not (hedged or sample)))
+            together = not (hedged or sample)
+            take(self._fanout.wait(list(calls), limit, all_of=together), together)
             top_up = short(include_outstanding=True)
             if top_up:  # failed nodes or missing shards: ask others right away
                 ask(top_up)

@@ -8,6 +8,7 @@ import hashlib
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -261,6 +262,31 @@ def test_a_node_that_stays_slow_costs_one_hedge_not_one_per_probe(tmp_path: Path
     # One hedge at most: none when the puts' timings already ranked the node last (then the
     # first probe finds it slow).
     assert tier.client.stats().get("hedged_reads", 0) <= 1
+
+
+def test_a_reader_that_stalls_does_not_bring_a_node_known_slow_back(tmp_path: Path) -> None:
+    # A reader that sleeps until all its calls answered takes their answers together: each
+    # node's time is then only a bound. Folded in as times, three reads whose reader was
+    # descheduled for 80 ms (a busy host) raised every node's estimate to ~30 ms, the hung
+    # node's 20 ms fell under twice that median, and the next read asked it and hedged again.
+    tier = Tier(tmp_path, hedge_after_s=0.02)
+    key, payload = _key(1), _payload(1)
+    tier.client.put_blocks([key], [payload])
+    hung = _data_holders(key, 12)[0]
+    tier.fanout.hung.add((NODE, hung))
+    wait, reads = tier.fanout.wait, [0]
+
+    def stalled(tickets: Any, timeout: float, all_of: bool = False) -> Any:
+        ready = wait(tickets, timeout, all_of)
+        if 42 <= reads[0] < 45 and ready:  # reads that sample no node (one in 8 does)
+            time.sleep(0.08)  # descheduled before taking the answers
+        return ready
+
+    tier.fanout.wait = stalled  # type: ignore[method-assign]
+    for reads[0] in range(60):
+        assert _same(tier.client.get_blocks([key])[0], payload)
+    assert tier.client.stats().get("hedged_reads", 0) == 1  # the first read's, no other
+    assert tier.client.stats()["slow_nodes"] == [hung]
 
 
 def test_the_hedge_waits_for_the_typical_tail_of_reads_of_that_size(tmp_path: Path) -> None:
