@@ -373,33 +373,19 @@ class StorageNode:
                 parsed.payload_len[chosen],
                 parsed.payload_hash_raw[chosen],
             )
-        rows: list[tuple[int, int, int, int, int]] = []
+        taken: list[tuple[int, int, int, int, int]] = []
         size = 0
         for position, (key, shard) in enumerate(zip(keys, shards, strict=True)):
             parsed_one = self._refuse(key, shard)
-            if parsed_one is None:
+            if parsed_one is None or size + RECORD_BYTES + parsed_one.shard_len > room:
                 continue
-            record = RECORD_BYTES + parsed_one.shard_len
-            if size + record > room:
-                continue
-            size += record
-            rows.append(
-                (
-                    position,
-                    parsed_one.index,
-                    parsed_one.shard_len,
-                    parsed_one.payload_len,
-                    _raw_word(parsed_one.payload_hash),
-                )
+            size += RECORD_BYTES + parsed_one.shard_len
+            word = _raw_word(parsed_one.payload_hash)
+            taken.append(
+                (position, parsed_one.index, parsed_one.shard_len, parsed_one.payload_len, word)
             )
-        columns = np.array(rows, np.uint64).reshape(len(rows), 5).T
-        return _Taken(
-            columns[0].astype(np.int64),
-            columns[1].astype(np.int64),
-            columns[2].astype(np.int64),
-            columns[3],
-            columns[4],
-        )
+        columns = np.array(taken, np.uint64).reshape(len(taken), 5).T
+        return _Taken(*columns[:3].astype(np.int64), *columns[3:])
 
     def _refuse(self, key: BlockKey, shard: np.ndarray) -> ShardHeader | None:
         """The header of ``shard`` if it is whole and ``key``'s; else None, the reason logged."""
