@@ -31,11 +31,12 @@ Rows (1 GB = 10^9 bytes of block payload; median over the timed batches):
 - get, 2 nodes killed: storage nodes 0 and 1 killed for good (``kill_nodes``): every block has
   lost 2 of its 12 shards, most need Reed-Solomon decoding;
 - put, 2 nodes killed: what a put does then (today a block needs all 12 nodes: it fails).
-kvstore and Redis batches alternate batch by batch, so noise hits both alike. The first two
-batches of every case are warm-ups (checked bit-exact, not timed). Batches are 64 blocks of
-either size by default (a 1.35 MiB batch is 90.6 MB; redis-py pipelines that large run slower per
-GB than 16-deep ones on some runs here: ``--batch-large 16`` checks that the 2x get target does
-not rest on it).
+kvstore and Redis batches alternate batch by batch, so noise hits both alike (``--turn N``: N
+of kvstore's in a row, then the peers' same N, so that only the first of a turn starts cold).
+The first two batches of every case are warm-ups (checked bit-exact, not timed). Batches are 64
+blocks of either size by default (a 1.35 MiB batch is 90.6 MB; redis-py pipelines that large run
+slower per GB than 16-deep ones on some runs here: ``--batch-large 16`` checks that the 2x get
+target does not rest on it).
 
 CPU seconds per GB of payload moved, over the timed batches of each case: the client process
 by ``getrusage`` around each batch (kvstore's and Redis' apart); server processes by utime+stime
@@ -56,7 +57,7 @@ over the direct reader's): the second is what a deployment sees, with the 12 nod
 of their own instead of sharing this machine's cores with the reader (Redis is one process
 beside its client here). The shared 2-core machine is noisy: compare ratios from one run.
 
-    python3 benchmarks/blockstore.py [--runs 30] [--batch 64] [--batch-large 64] \\
+    python3 benchmarks/blockstore.py [--runs 30] [--batch 64] [--batch-large 64] [--turn 1] \\
         [--case-seconds 20] [--fsync batch] [--data-root DIR] [--json] [--zstd]
 """
 
@@ -170,20 +171,34 @@ class Bench:
         return self.cases[key]
 
     def loop(
-        self, body: Callable[[int, bool], None], runs: int, ours: Case, peer: Case | None
+        self,
+        ours_step: Callable[[int, bool], None],
+        peer_step: Callable[[int, bool], None],
+        runs: int,
+        ours: Case,
+        peer: Case | None,
     ) -> None:
-        """``WARMUPS`` untimed then up to ``runs`` timed calls of ``body(index, timed)``; stops
-        early once ``--case-seconds`` have passed and 3 timed batches were taken. The servers'
-        CPU over the timed calls goes to ``ours`` (storage side) and ``peer`` (redis-server)."""
+        """``WARMUPS`` untimed then up to ``runs`` timed batches, each ``ours_step(index,
+        timed)`` then ``peer_step(index, timed)``; the timed ones in turns of ``--turn``
+        batches (that many of ours, then the peer's of the same batches). Stops early once
+        ``--case-seconds`` have passed and 3 timed batches were taken. The servers' CPU over
+        the timed batches goes to ``ours`` (storage side) and ``peer`` (redis-server)."""
         deadline = time.monotonic() + self.args.case_seconds
         phase = PhaseCpu(self.groups, self.redis.pid, self.rest)
         try:
-            for index in range(WARMUPS + runs):
-                timed_run = index >= WARMUPS
-                if index == WARMUPS:
-                    phase.start(ours)
-                body(index, timed_run)
-                if timed_run and index - WARMUPS >= 2 and time.monotonic() > deadline:
+            for index in range(WARMUPS):
+                ours_step(index, False)
+                peer_step(index, False)
+            phase.start(ours)
+            index, end = WARMUPS, WARMUPS + runs
+            while index < end:
+                turn = range(index, min(end, index + self.args.turn))
+                for each in turn:
+                    ours_step(each, True)
+                for each in turn:
+                    peer_step(each, True)
+                index = turn.stop
+                if index - WARMUPS >= 3 and time.monotonic() > deadline:
                     return
         finally:
             phase.stop(ours, peer)
@@ -207,8 +222,10 @@ class Bench:
         # Appended by one process to one file with one flush: the disk's own ceiling for the put.
         stripe_bytes = self.stripe_bytes(label)
 
-        def body(index: int, timed_run: bool) -> None:
-            keys = [os.urandom(32) for _ in payloads]
+        batch_keys: dict[int, list[bytes]] = {}
+
+        def put(index: int, timed_run: bool) -> None:
+            keys = batch_keys[index] = [os.urandom(32) for _ in payloads]
             with self.measure(ours, timed_run):
                 result = self.client.put_blocks(keys, payloads)
             if result.failed or result.busy or result.existing:
@@ -216,17 +233,19 @@ class Bench:
                     f"put of {len(keys)} blocks: {len(result.failed)} failed, "
                     f"{len(result.busy)} busy, {len(result.existing)} existing"
                 )
-            redis_keys = [b"redis:" + key for key in keys]
+            if index == 0:  # the get workload, in both stores
+                self.workload[label] = (keys, payloads)
+
+        def peer_put(index: int, timed_run: bool) -> None:
+            redis_keys = [b"redis:" + key for key in batch_keys.pop(index)]
             with self.measure(peer, timed_run):
                 self.redis.set_many(redis_keys, raw)
             with self.measure(disk, timed_run):
                 self.disk_line.append(stripe_bytes)
-            if index == 0:  # the get workload, in both stores
-                self.workload[label] = (keys, payloads)
-            else:
+            if index:
                 self.redis.delete(redis_keys)  # bounds Redis' memory
 
-        self.loop(body, self.args.runs, ours, peer)
+        self.loop(put, peer_put, self.args.runs, ours, peer)
 
     def fill(self) -> None:
         """Before the put rows, untimed: put batches of 111 KiB blocks until the tier holds
@@ -273,7 +292,7 @@ class Bench:
         lease = found.lease
         counts = self.degraded_blocks[label] if row != "get" else None
 
-        def body(index: int, timed_run: bool) -> None:
+        def get(index: int, timed_run: bool) -> None:
             with self.measure(ours, timed_run):
                 blocks, degraded = self.read(keys, lease)
             if index == 0:
@@ -283,13 +302,15 @@ class Bench:
             if counts is not None and timed_run:
                 counts[0] += sum(degraded) if degraded is not None else 0
                 counts[1] += len(degraded) if degraded is not None else 0
+
+        def peer_get(index: int, timed_run: bool) -> None:
             with self.measure(peer, timed_run):
                 values = self.redis.get_many(redis_keys)
             if index == 0 and any(v != p.tobytes() for v, p in zip(values, payloads, strict=True)):
                 raise RuntimeError("redis returned wrong bytes")
 
         try:
-            self.loop(body, runs, ours, peer)
+            self.loop(get, peer_get, runs, ours, peer)
         finally:
             self.client.release(lease)
 
@@ -319,17 +340,19 @@ class Bench:
             assert self.gateway is not None
             path = self.gateway.path(keys, payloads)
 
-        def body(index: int, timed_run: bool) -> None:
+        def read(index: int, timed_run: bool) -> None:
             path.prepare()
             with self.measure(ours, timed_run):
                 path.read()
             if index == 0:
                 path.check(payloads)
+
+        def peer_get(index: int, timed_run: bool) -> None:
             with self.measure(peer, timed_run):
                 self.redis.get_many(redis_keys)
 
         try:
-            self.loop(body, self.args.runs, ours, peer)
+            self.loop(read, peer_get, self.args.runs, ours, peer)
         finally:
             path.close()
 
@@ -520,6 +543,7 @@ def report(args: argparse.Namespace, config: BlockStoreConfig, bench: Bench) -> 
             "code": f"{config.data_shards}+{config.parity_shards}",
             "fsync": args.fsync,
             "batch_blocks": dict(bench.batch),
+            "turn": args.turn,
             "runs": args.runs,
             "case_seconds": args.case_seconds,
             "killed_nodes": list(KILLED),
@@ -556,8 +580,9 @@ def table(results: dict[str, Any]) -> str:
         f"{cfg['meta_shards']} meta shards, fsync={cfg['fsync']}, {cfg['ray']}; client: "
         f"{cfg['client']}) vs {cfg.get('redis', 'redis-server (loopback')}, pipelined, "
         f"hiredis={cfg['hiredis']}), "
-        f"same run; batches of {batches} blocks; up to {cfg['runs']} timed batches per case "
-        f"(median); {cfg['cpus']} CPUs; wall {cfg['wall_s']:.0f} s",
+        f"same run; batches of {batches} blocks, {cfg['turn']} of kvstore's in a row then the "
+        f"peers'; up to {cfg['runs']} timed batches per case (median); {cfg['cpus']} CPUs; "
+        f"wall {cfg['wall_s']:.0f} s",
         "",
         "| op | block | kvstore GB/s | p50 ms/batch | Redis GB/s | Redis p50 ms | ratio "
         "| target | met? |",
@@ -692,6 +717,7 @@ def across_hosts(args: argparse.Namespace) -> dict[str, Any]:
 
     passed = ["--runs", str(args.runs), "--case-seconds", str(args.case_seconds)]
     passed += ["--batch", str(args.batch), "--batch-large", str(args.batch_large)]
+    passed += ["--turn", str(args.turn)]
     passed += ["--fsync", args.fsync, "--call-timeout", str(args.call_timeout)]
     passed += ["--fill-gb", str(args.fill_gb), "--cached-log-mib", args.cached_log_mib]
     passed += ["--no-degraded-put"] if args.no_degraded_put else []
@@ -723,6 +749,13 @@ def main() -> int:
     )
     parser.add_argument("--batch", type=int, default=64, help="blocks per 111 KiB batch")
     parser.add_argument("--batch-large", type=int, default=64, help="blocks per 1.35 MiB batch")
+    parser.add_argument(
+        "--turn",
+        type=int,
+        default=1,
+        help="timed batches of kvstore's in a row before the peers' same batches (1: they "
+        "alternate batch by batch)",
+    )
     parser.add_argument(
         "--fsync",
         choices=("always", "batch", "never"),
@@ -761,6 +794,8 @@ def main() -> int:
         parser.error("--runs must be >= 4")
     if args.batch < 1 or args.batch_large < 1:
         parser.error("batches must hold at least one block")
+    if args.turn < 1:
+        parser.error("--turn must be >= 1")
     if args.cached_log_mib not in ("", "none") and not args.cached_log_mib.isdigit():
         parser.error("--cached-log-mib must be a number of MiB or 'none'")
     # Ray prints cluster warnings to stdout; keep stdout for the table / JSON alone.

@@ -426,7 +426,7 @@ class PagedWorker:
                 if key not in seen:
                     seen.add(key)
                     keys.append(key)
-                    payloads.append(b"".join(layer[i].tobytes() for layer in layers))
+                    payloads.append(b"".join(layer[i] for layer in layers))  # one copy
         answer = self._writer.put_blocks(keys, payloads, traffic_class)
         self.stats.blocks_saved += answer.committed
         self.stats.saves_failed += len(answer.failed_keys)
