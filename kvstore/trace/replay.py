@@ -619,8 +619,15 @@ def run_replay(
                 if tier_fingerprint != fingerprint:  # a running tier of another preset
                     words = [request.key_words(tier_fingerprint) for request in requests]
                 engines = [ReplayEngine(client, config, size) for client in clients[1:]]
+                gc_status = tier.gc_status  # None: no GC of ours (a running gateway's tier)
+                before = None if gc_status is None else int(gc_status()["passes"])
                 with Occupancy(clients[0], size) as occupancy:
                     done = drive(requests, words, engines, config, stop)
+                # The GC's cadence while the engines ran: by the clock on an idle machine,
+                # fewer passes than that on a busy one (each pass takes longer).
+                passes = None
+                if gc_status is not None and before is not None:
+                    passes = int(gc_status()["passes"]) - before
                 settled = _settle(tier.gc_status) if tier.gc_status is not None else None
                 figures = clients[0].stats()
                 gc = tier.gc_status() if tier.gc_status is not None else None
@@ -671,6 +678,7 @@ def run_replay(
             "stats": figures,
             "gc": gc,
             "gc_settled": settled,
+            "gc_passes_in_traffic": passes,
             "traffic_seconds": round(done.seconds, 1),
             "wall_seconds": round(time.perf_counter() - started, 1),
         },
