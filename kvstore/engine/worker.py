@@ -16,10 +16,9 @@ and a step does not end while its fetch may still write them (``_end_in_place_wr
 
 Saves are gathered layer by layer by the save gather (``kvstore.engine.save``: its own thread,
 a side stream on CUDA) as each layer is computed (``save_layer``); the ``kvstore-put`` thread
-assembles the payloads (layer-major) and puts them; saves queued while a put runs go out
-together in the next one. A decode-time window state is held until its
-request ends, then put (only the last one). Past ``max_pending_save_bytes`` a save is dropped,
-never waited for.
+assembles the payloads (layer-major) and puts them, the saves queued while a put ran together
+in the next put. A decode-time window state is held until its request ends, then put (only the
+last one). Past ``max_pending_save_bytes`` a save is dropped, never waited for.
 """
 
 from __future__ import annotations
@@ -362,8 +361,10 @@ class PagedWorker:
         a block), and a decode step saves a block or none a request."""
         items = [self._queue.get()]
         size = 0
-        while isinstance(items[-1], tuple) and size < _GROUP_BYTES:
+        while isinstance(items[-1], tuple):
             size += sum(self._save_bytes(save) for _, save in items[-1][1])
+            if size >= _GROUP_BYTES:
+                break
             try:
                 items.append(self._queue.get_nowait())
             except queue.Empty:

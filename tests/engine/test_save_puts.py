@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
+from kvstore.engine import worker as worker_module
 from kvstore.engine.plan import PagedSave, StepPlan
 from kvstore.engine.worker import PagedWorker
 from kvstore.errors import InvalidArgument, NodeUnavailable
@@ -131,4 +132,27 @@ def test_a_group_whose_put_fails_counts_each_of_its_saves_and_frees_their_bytes(
     assert [read.payload is None for read in file_tier.get_blocks([key(2), key(4)])] == [
         True,
         True,
+    ]
+
+
+def test_a_group_stops_at_its_byte_bound_and_the_rest_goes_in_the_next_put(
+    cache, file_tier, made, monkeypatch
+) -> None:
+    tier = HeldTier(file_tier)
+    worker = PagedWorker(cache, file_tier.factory(), tier, staging_bytes=4 << 20)
+    made.append(worker)
+    monkeypatch.setattr(worker_module, "_GROUP_BYTES", 2 * worker.block_bytes)
+    run_step(worker, [save("a", {0: 1})])
+    assert tier.entered.wait(30)
+    run_step(worker, [save("b", {1: 2, 2: 3})])  # two blocks: the bound, alone
+    run_step(worker, [save("c", {3: 4})])
+    run_step(worker, [save("d", {4: 5})])  # with c: two blocks
+    run_step(worker, [save("e", {5: 6})])
+    tier.release.set()
+    assert worker.flush(30)
+    assert [keys for keys, _ in tier.calls] == [
+        [key(1)],
+        [key(2), key(3)],
+        [key(4), key(5)],
+        [key(6)],
     ]
