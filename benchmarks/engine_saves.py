@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for name in ("steps", "requests", "chunk"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+            parser.error(f"--{name} must be at least 1")
     if args.step_ms < 0:
         parser.error("--step-ms must not be negative")
 

@@ -327,7 +327,7 @@ class PagedWorker:
         size = self._save_bytes(save)
         with self._lock:
             if self._pending_bytes + size > self._max_pending_bytes:
-                self.stats.saves_dropped += len(save.block_ids) + (save.state is not None)
+                self.stats.saves_dropped += _save_items(save)
                 return False
             self._pending_bytes += size
         return True
