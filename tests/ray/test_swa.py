@@ -34,6 +34,22 @@ def fresh_keys(count: int) -> list[bytes]:
     return [os.urandom(32) for _ in range(count)]
 
 
+def keys_on_every_shard(shards: list[str], per_shard: int) -> list[bytes]:
+    """Fresh keys, `per_shard` of them on each directory shard, the shards taking turns.
+
+    A test that loses one shard needs keys on it and on the others; a handful of random keys
+    all land on one shard now and then (8 keys over 2 shards: 1 run in 128)."""
+    shard_map = ShardMap(shards)
+    chosen: dict[str, list[bytes]] = {shard: [] for shard in shards}
+    for _ in range(1000 * per_shard * len(shards)):
+        if all(len(keys) == per_shard for keys in chosen.values()):
+            return [key for turn in zip(*chosen.values(), strict=True) for key in turn]
+        key = os.urandom(32)
+        if len(chosen[shard_map.shard_of(key)]) < per_shard:
+            chosen[shard_map.shard_of(key)].append(key)
+    raise AssertionError(f"no {per_shard} keys on each of {shards} in many draws")
+
+
 def machines_of(cluster: LocalCluster, ids: list[str]) -> dict[str, str]:
     return {m: cluster.node_id(m) for m in ids}
 
@@ -163,7 +179,7 @@ def test_a_killed_entrypoint_answers_miss_until_stores_re_register(
     swa = deploy_swa(machines_of(ray_cluster, machines), config=config, geometry=GEOMETRY)
     try:
         client = swa.client()
-        keys = fresh_keys(8)
+        keys = keys_on_every_shard(swa.shards, 4)
         for index, key in enumerate(keys):
             assert client.put(machines[index % 2], key, 128 * (index + 1), state(index)) is True
         assert all(owner is not None for owner in client.lookup(keys).result())
@@ -205,7 +221,7 @@ def test_entrypoint_recovery_happens_by_itself_through_heartbeats(
     ray_cluster: LocalCluster, swa: SWADeployment
 ) -> None:
     client = swa.client()
-    keys = fresh_keys(12)
+    keys = keys_on_every_shard(swa.shards, 4)  # the killed e1 holds some of them
     for index, key in enumerate(keys):
         client.put(ray_cluster.machines[index % 3], key, 128, state(100 + index))
     assert all(owner is not None for owner in client.lookup(keys).result())
@@ -319,7 +335,7 @@ def test_losing_the_machine_of_an_entrypoint_is_survived(ray_cluster: LocalClust
     try:
         client = swa.client()
         shard_map = ShardMap(swa.shards)
-        keys = fresh_keys(12)
+        keys = keys_on_every_shard(swa.shards, 6)
         registered = [client.put(m0, k, 128 * (i + 1), state(i)) for i, k in enumerate(keys)]
         lost_state = fresh_keys(1)[0]
         registered.append(client.put(doomed, lost_state, 128, state(99)))
