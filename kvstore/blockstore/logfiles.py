@@ -14,8 +14,10 @@ A segment file has a reader always and a writer while it is the open segment (``
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import sys
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -53,6 +55,13 @@ class LogFile(Protocol):
         ...
 
     def truncate(self, size: int) -> None: ...
+
+    def reserve(self, offset: int, length: int) -> None:
+        """Have the file system allocate blocks for these bytes now, the size unchanged:
+        appends into them then skip the block allocation each flush would otherwise make
+        (advice: where the file system cannot, nothing happens; ``truncate`` to the size
+        gives back what was not written)."""
+        ...
 
     def sync(self) -> None:
         """Make what was written durable (``fdatasync``)."""
@@ -93,6 +102,18 @@ class LogFiles(Protocol):
         ...
 
 
+_FALLOC_FL_KEEP_SIZE = 1
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def _keep_size_fallocate(fd: int, offset: int, length: int) -> None:
+    """``fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length)``, failures ignored: Python's
+    ``os.posix_fallocate`` takes no flags, and it would grow the file's size, which is where
+    a restarted log stops reading."""
+    if _libc is not None:
+        _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, ctypes.c_long(offset), ctypes.c_long(length))
+
+
 class DiskFile:
     """A segment file on disk: a read descriptor, and a write descriptor while open."""
 
@@ -125,6 +146,9 @@ class DiskFile:
 
     def truncate(self, size: int) -> None:
         os.ftruncate(self._write_fd, size)
+
+    def reserve(self, offset: int, length: int) -> None:
+        _keep_size_fallocate(self._write_fd, offset, length)
 
     def sync(self) -> None:
         os.fdatasync(self._write_fd)
@@ -233,6 +257,10 @@ class MemoryFile:
         else:
             data.extend(bytes(size - len(data)))
 
+    def reserve(self, offset: int, length: int) -> None:
+        self._writer()
+        self._files.reserved.append((self._name, offset, length))
+
     def sync(self) -> None:
         self._writer()
 
@@ -251,13 +279,15 @@ class MemoryFiles:
     """A directory of segment files in memory: what the log's unit tests run it over. Tests
     reach the bytes through ``data`` (tear a tail, flip a byte) and count ``writes``;
     ``fail_writes`` makes every write raise, as a full disk does; ``dropped`` lists the
-    (name, offset, length) the log let the page cache drop."""
+    (name, offset, length) the log let the page cache drop, ``reserved`` those it had
+    allocated ahead of its appends."""
 
     def __init__(self) -> None:
         self.data: dict[str, bytearray] = {}
         self.writes = 0
         self.fail_writes = False
         self.dropped: list[tuple[str, int, int]] = []
+        self.reserved: list[tuple[str, int, int]] = []
 
     def names(self) -> list[str]:
         return sorted(self.data)

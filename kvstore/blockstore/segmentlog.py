@@ -110,7 +110,9 @@ class SegmentLog:
             if seq != unsealed[-1]:
                 segment.seal(self._syncs)
         if unsealed:
-            return self._segments[unsealed[-1]]
+            segment = self._segments[unsealed[-1]]
+            segment.reserve_through(segment.size)  # the blocks it had ahead before the restart
+            return segment
         return self._new_segment()
 
     def entry_tables(self) -> list[tuple[int, np.ndarray]]:

@@ -107,6 +107,9 @@ _COVERED = 88
 TRAILER_MAGIC = b"KVFOOTv1"
 TRAILER = struct.Struct("<8sQQ8s")
 TRAILER_BYTES = TRAILER.size
+#: Bytes of blocks an open segment has allocated ahead of its appends at a time (``reserve``):
+#: about ten 64-block puts' shards on a node, returned at seal.
+RESERVE_AHEAD_BYTES = 8 << 20
 
 #: A record header as a numpy row (the same 96 bytes as ``RECORD``).
 RECORD_DTYPE = np.dtype(
@@ -296,6 +299,9 @@ class Segment:
         self.file = file
         self.size = size
         self.sealed = False
+        #: Where the blocks allocated ahead of the appends end (``reserve_through``): 0 until
+        #: this opening's first append.
+        self.reserved_end = 0
         #: Entries of the records appended since it was opened (open segment), joined at seal.
         self.pending_entries: list[bytes] = []
         self.entries: np.ndarray = np.zeros(0, ENTRY_DTYPE)
@@ -326,6 +332,7 @@ class Segment:
         back to where it was, so a failed batch leaves no record behind."""
         start = self.size
         total = sum(memoryview(p).nbytes for p in parts)  # type: ignore[arg-type, misc]
+        self.reserve_through(start + total)
         try:
             self.file.write(parts, start)
             if sync:
@@ -339,16 +346,31 @@ class Segment:
         self.size = start + total
         self.pending_entries.extend(entries)
 
+    def reserve_through(self, end: int) -> None:
+        """Have the file's blocks allocated up to the first multiple of ``RESERVE_AHEAD_BYTES``
+        at or past ``end`` (``LogFile.reserve``). Each flush then writes into blocks the file
+        has, where a file growing by appends has them allocated at every flush (a put's write
+        and ``fdatasync`` cost ~30 % less CPU). On a fixed grid, so that a reopened log
+        holds the blocks it held before."""
+        if end <= self.reserved_end:
+            return
+        grid = -(-end // RESERVE_AHEAD_BYTES) * RESERVE_AHEAD_BYTES
+        self.file.reserve(self.size, grid - self.size)
+        self.reserved_end = grid
+
     def seal(self, sync: bool) -> None:
         """Write the footer and stop appending (the file is closed for writes)."""
         entries = self.all_entries()
         body = entries.tobytes()
         trailer = TRAILER.pack(TRAILER_MAGIC, len(entries), self.size, xxhash.xxh3_64_digest(body))
         self.file.write([body, trailer], self.size)
+        end = self.size + len(body) + len(trailer)
+        if self.reserved_end > end:
+            self.file.truncate(end)  # give back the blocks allocated ahead and not written
         if sync:
             self.file.sync()
         self.file.end_writes()
-        self.size += len(body) + len(trailer)
+        self.size = end
         self.sealed = True
 
     def read(self, offset: int, length: int, into: memoryview) -> bool:

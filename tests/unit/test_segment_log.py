@@ -21,6 +21,7 @@ from kvstore.blockstore.segments import (
     COMMIT,
     MAX_LSN,
     RECORD_BYTES,
+    RESERVE_AHEAD_BYTES,
     SEGMENT_HEADER,
     SEGMENT_HEADER_BYTES,
     SEGMENT_MAGIC,
@@ -311,3 +312,37 @@ def test_a_batch_of_headers_is_the_records_one_at_a_time_and_each_checks(
     again = open_log(files)
     assert [lsn for _, _, lsn, _ in records(again)] == [9, 10, 11, 9, 11]
     assert again.damaged_records == 1
+
+
+def test_an_open_segment_has_blocks_ahead_of_its_appends_and_a_sealed_one_gives_them_back(
+    tmp_path: Path,
+) -> None:
+    directory = PrivateDir.open(tmp_path / "segments", "segments", check_parent=False)
+    log = SegmentLog(
+        DiskFiles(directory), segment_bytes=4 << 20, fsync="batch", clock=ManualClock()
+    )
+    body = 256 << 10
+    first = shards(log, [key(0)], body_bytes=body)
+    status = os.stat(log.where(first[0]))
+    # The size is what was written (where a reopen stops reading); the blocks run ahead.
+    assert status.st_size == SEGMENT_HEADER_BYTES + RECORD_BYTES + body
+    assert status.st_blocks * 512 >= RESERVE_AHEAD_BYTES
+    n = 1
+    while log.open_seq == first[0]:  # appends until the segment rolls (16 of them)
+        shards(log, [key(n)], body_bytes=body)
+        n += 1
+    sealed = os.stat(log.where(first[0]))
+    assert sealed.st_blocks * 512 < sealed.st_size + (64 << 10)  # nothing held past its end
+    log.close()
+    again = SegmentLog(
+        DiskFiles(directory), segment_bytes=4 << 20, fsync="batch", clock=ManualClock()
+    )
+    assert body_of(again, first) == first[2][0]
+    again.close()
+
+
+def body_of(log: SegmentLog, placed: tuple[int, list[int], list[bytes]]) -> bytes:
+    seq, offsets, bodies = placed
+    into = bytearray(len(bodies[0]))
+    assert log.read(seq, offsets[0] + RECORD_BYTES, len(into), memoryview(into))
+    return bytes(into)
