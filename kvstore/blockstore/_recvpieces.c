@@ -409,11 +409,23 @@ monotonic(void)
     return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
 }
 
-/* Poll every reply still in HEAD or DATA and step the ready ones, until none is or the deadline
- * passes. 0, or EINTR where a signal came (call again once it is handled). */
+/* When stragglers are given up on (noderests.Stragglers, the same rule for the replies taken in
+ * Python): once no more than spare replies are still out and some are in, the rest get factor
+ * times what the call took so far, min_s at the least, and then stop where they stand (the
+ * reader takes their blocks from parity). spare 0: wait for every reply to the deadline. */
+typedef struct {
+    Py_ssize_t spare;
+    double min_s, factor;
+} hedge_t;
+
+/* Poll every reply still in HEAD or DATA and step the ready ones, until none is, the deadline
+ * passes or the stragglers' grace (hedge) is over. 0, or EINTR where a signal came (call again
+ * once it is handled: the grace starts again). */
 static int
-take(reply_t *replies, struct pollfd *polls, Py_ssize_t m, const layout_t *l, double deadline)
+take(reply_t *replies, struct pollfd *polls, Py_ssize_t m, const layout_t *l, double deadline,
+     const hedge_t *hedge)
 {
+    double started = monotonic(), give_up = 0.0;
     for (;;) {
         Py_ssize_t active = 0;
         for (Py_ssize_t i = 0; i < m; i++) {
@@ -424,7 +436,13 @@ take(reply_t *replies, struct pollfd *polls, Py_ssize_t m, const layout_t *l, do
             polls[i].revents = 0;
             active += open;
         }
-        double left = deadline - monotonic();
+        double now = monotonic();
+        if (active && active <= hedge->spare && active < m) {
+            if (give_up == 0.0)
+                give_up = now + fmax(hedge->min_s, hedge->factor * (now - started));
+        } else
+            give_up = 0.0;
+        double left = (give_up > 0.0 && give_up < deadline ? give_up : deadline) - now;
         if (!active || left <= 0)
             return 0;
         int ready = poll(polls, (nfds_t)m, (int)ceil(left * 1000));
@@ -474,10 +492,12 @@ take_replies(PyObject *self, PyObject *args)
     Py_ssize_t columns;
     long long first_bytes, max_prefix;
     double deadline;
-    if (!PyArg_ParseTuple(args, "OO!O!OOO!OOOnOLLdOO", &fds_o, &PyTuple_Type, &heads,
+    hedge_t hedge = {0, 0.0, 0.0};
+    if (!PyArg_ParseTuple(args, "OO!O!OOO!OOOnOLLdOO|ndd", &fds_o, &PyTuple_Type, &heads,
                           &PyTuple_Type, &tables, &sums_o, &rows_o, &PyTuple_Type, &buffers,
                           &arrays_o[0], &arrays_o[1], &arrays_o[2], &columns, &first_at_o,
-                          &first_bytes, &max_prefix, &deadline, &state_o, &check_o))
+                          &first_bytes, &max_prefix, &deadline, &state_o, &check_o, &hedge.spare,
+                          &hedge.min_s, &hedge.factor))
         return NULL;
     PyObject *cells_o = NULL, *checked_o = NULL, *sizes_o = NULL, *keys_o = NULL, *magic_o = NULL;
     long long k = 1, parity = 0, version = 0;
@@ -601,7 +621,7 @@ take_replies(PyObject *self, PyObject *args)
     int error;
     do {
         Py_BEGIN_ALLOW_THREADS
-        error = take(replies, polls, m, &layout, deadline);
+        error = take(replies, polls, m, &layout, deadline, &hedge);
         for (Py_ssize_t i = 0; i < m; i++)
             if (replies[i].wake > 1)
                 wake_at(&replies[i], 1); /* the kernel's default, for whoever reads next */
@@ -630,13 +650,16 @@ static PyMethodDef methods[] = {
      "OSError as recvmsg fails before any byte."},
     {"take_replies", take_replies, METH_VARARGS,
      "take_replies(fds, heads, tables, sums, rows, buffers, which, offsets, lengths, columns, "
-     "first_at, first_bytes, max_prefix, deadline, state, check) -> None: take reply i from socket "
+     "first_at, first_bytes, max_prefix, deadline, state, check, spare=0, min_s=0, factor=0) -> "
+     "None: take reply i from socket "
      "fds[i], its head and table into heads[i]; if they are the expected reply's (the table "
      "is tables[i], the shard bytes sums[i] plus a prefix of at most max_prefix a shard), its "
      "shards (rows rows[2i] .. rows[2i+1], columns pieces each, as recv_pieces names them) are "
      "received into their pieces, the prefix first into each row's first piece (offsets and "
      "lengths of column 0 set to first_at[row] - prefix, first_bytes + prefix). Until every "
-     "reply is done, failed or not the expected one, or the monotonic clock passes deadline. "
+     "reply is done, failed or not the expected one, or the monotonic clock passes deadline, "
+     "or no more than spare replies are still out (some in) and a grace of factor times the "
+     "call's time so far (min_s at the least) has passed since. "
      "state[7i:7i+7]: phase (0 head, 1 data, 2 done, 3 not the expected reply, its head in), "
      "failed, errno (0: the end of the stream), bytes received, the piece to fill next and its "
      "bytes filled, the next row to check. check: None, or (cells, sums, sizes, keys, k, m, "

@@ -40,8 +40,10 @@ at once: decoding it into place would rewrite bytes that may be in use.
 Failures never escape: a node that cannot be reached, times out or answers what is not a reply
 loses its connection, counts as holding only the shards it sent whole before that, and is not
 asked again in this read (the careful path has a deadline of its own, so a stalled node costs
-one timeout and its blocks are decoded around it). Not thread-safe: one reader per thread
-(each keeps one connection per node).
+one timeout and its blocks are decoded around it). A node still out when the others are all in
+costs less: as many as the blocks' parity can stand in for get a grace and are then given up
+on the same way (``noderests.Stragglers``). Not thread-safe: one reader per thread (each keeps
+one connection per node).
 """
 
 from __future__ import annotations
@@ -327,7 +329,8 @@ class DirectReader:
     bounds each of a ``read_into``'s two passes (the data shards; then, for the blocks that
     did not land whole, every shard): a node that fails or is slower than that in the first
     counts as down for the rest of the read and is not asked again, so one stalled node costs
-    the read one ``timeout_s`` and its blocks are decoded around it."""
+    the read one ``timeout_s`` at most, and its blocks are decoded around it; once the others
+    are all in, a straggler is given up on after a grace (``noderests.Stragglers``)."""
 
     def __init__(
         self,
@@ -565,6 +568,9 @@ class DirectReader:
 
         # With ``on_prefix`` each node is asked for its data shards stripe position by position
         # (0 of every block first), so every block's first bytes arrive before its last ones.
+        # A node far behind the others is given up on and its blocks decoded around it
+        # (``readlinks._Hedge``), as many as the blocks' parity left can stand in for.
+        lost = int((read.placements < 0).sum(axis=1).max(initial=0))
         self._links.exchange(
             requests,
             place,
@@ -572,6 +578,7 @@ class DirectReader:
             on_shards,
             pace=None if on_prefix is None else 1,
             usual=plan.usual,
+            spare=max(0, self.m - lost),
         )
         check()
         if on_prefix is not None:

@@ -1,4 +1,5 @@
-"""Which storage nodes an engine reader leaves out for now: those that failed it lately.
+"""Which storage nodes an engine reader leaves out: for now, those that failed it lately; for
+the rest of a read, those far behind the others (``Stragglers``).
 
 A node that failed an exchange (``readlinks.NodeLinks``: not reached, timed out, not a reply)
 rests: the reads that follow leave it out, so their blocks come from parity at once instead of
@@ -17,6 +18,11 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+#: A straggler's grace (``Stragglers``): this many times what the exchange took so far, at least
+#: ``HEDGE_MIN_S``. A node that lags that far behind the others is slow, not jittery: the
+#: read decodes around it rather than wait out its deadline.
+HEDGE_FACTOR = 4.0
+HEDGE_MIN_S = 0.5
 #: A node's first rest after a failure, in seconds; doubled per failure in a row.
 REST_S = 1.0
 REST_MAX_S = 30.0
@@ -98,3 +104,34 @@ class NodeRests(Generic[C]):
         """One more failure of ``node`` in a row: the rest it earns, in seconds."""
         strikes = self._strikes[node] = self._strikes.get(node, 0) + 1
         return float(min(REST_MAX_S, REST_S * 2 ** (strikes - 1)))
+
+
+class Stragglers:
+    """When an exchange (``readlinks.NodeLinks.exchange``) gives up on its stragglers.
+    ``spare``: how many replies it can do without (what the blocks' parity can stand in for:
+    a node holds one shard of a block). Once no more than that many are still out, and some
+    are in, they get ``HEDGE_FACTOR`` times what the exchange took so far (``HEDGE_MIN_S`` at
+    the least); then they count as down for the read, as at the deadline, and their blocks are
+    decoded around them. The usual replies' C call (``_recvpieces.take_replies``) applies the
+    same rule to the ones it takes."""
+
+    def __init__(self, spare: int, deadline: float) -> None:
+        self.spare = spare
+        self.deadline = deadline
+        self.min_s, self.factor = HEDGE_MIN_S, HEDGE_FACTOR
+        self.started = time.monotonic()
+        self._give_up: float | None = None
+
+    def lose(self) -> None:
+        """A node was lost (failed, or given up on): its blocks use up one of the spare."""
+        self.spare = max(0, self.spare - 1)
+
+    def until(self, out: int, asked: int) -> float:
+        """When to stop waiting, with ``out`` of ``asked`` replies still out."""
+        if not 0 < out <= self.spare or out >= asked:
+            self._give_up = None  # not down to the stragglers (or back up: a node caught up)
+            return self.deadline
+        if self._give_up is None:
+            now = time.monotonic()
+            self._give_up = now + max(self.min_s, self.factor * (now - self.started))
+        return min(self.deadline, self._give_up)

@@ -21,7 +21,9 @@ Failures never escape: a node that cannot be reached, times out or answers what 
 loses its connection and is asked nothing more in this exchange; what it sent whole before
 that still counts. A pooled connection that fails before its first reply had gone stale (the
 node's idle bound): it is dialed again once and sent its requests again.
-A node that failed an exchange rests (``noderests``): reads leave it out for a while.
+A node that failed an exchange rests (``noderests``): reads leave it out for a while. One far
+behind the others, once they are all in, is given up on for the read (``noderests.Stragglers``)
+where the caller says how many nodes it can do without: its blocks are decoded around it.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvstore.blockstore import readproto as proto
-from kvstore.blockstore.noderests import NodeRests
+from kvstore.blockstore.noderests import NodeRests, Stragglers
 from kvstore.fastcall.tls import ClientTLS, client_context, tls_handshake
 
 _pieces: ModuleType | None
@@ -531,11 +533,13 @@ class NodeLinks:
         on_shards: Callable[[list[Items]], object] | None = None,
         pace: int | None = None,
         usual: Usual | None = None,
+        spare: int = 0,
     ) -> list[Items]:
         """Send each node its ``requests`` and take every reply as it arrives; the shards that
         landed whole and were taken, as (blocks, indices), also told to ``on_shards``: as they
-        land when paced, else as each reply ends (or fails). ``pace``: with requests in stripe
-        position order, a node more than ``pace`` positions ahead of the slowest one waits
+        land when paced, else as each reply ends (or fails). ``spare``: how many nodes' replies
+        the caller can do without (``Stragglers``; 0: wait for all). ``pace``: with requests in
+        stripe position order, a node more than ``pace`` positions ahead of the slowest one waits
         (its bytes stay in its socket and it stops sending) until that one catches up: every
         block's first shards come first, and the CPU goes to the node holding them back.
         ``usual``: where the usual replies' bytes go; unpaced on plain sockets they are taken
@@ -547,9 +551,11 @@ class NodeLinks:
             opened = self._open(node, list(requests[node]), deadline)
             if opened is not None:
                 replies[node] = opened
+        asked = len(replies)
+        hedge = Stragglers(spare if asked > spare else 0, deadline)
         landed: list[Items] = []
         if usual is not None and pace is None and self._tls is None and _pieces is not None:
-            landed += self._take_usual(replies, usual, place, deadline, on_shards)
+            landed += self._take_usual(replies, usual, place, hedge, on_shards)
         poller = select.poll()
         listening: dict[int, _Reply] = {}  # descriptor -> its reply
         waiting: set[int] = set()  # nodes ahead by more than ``pace``: not listened to
@@ -598,8 +604,18 @@ class NodeLinks:
             listen(reply)
         keep_pace()
         while replies:
-            left = deadline - time.monotonic()
+            # Paced, the nodes ahead wait for the slowest: those listened to are the ones out.
+            until = hedge.until(len(listening), asked)
+            left = until - time.monotonic()
             ready = poller.poll(math.ceil(left * 1000)) if left > 0 else []
+            if not ready and until < deadline:  # the stragglers' grace is over
+                for reply in [listening[fd] for fd in list(listening)]:
+                    self.counters["nodes_hedged"] += 1
+                    forget(reply)
+                    self._lost(reply.node)
+                    hedge.lose()
+                keep_pace()  # the nodes that waited for them go on
+                continue
             if not ready:  # the deadline passed: the rest count as down for this read
                 for reply in list(replies.values()):
                     forget(reply)
@@ -618,6 +634,8 @@ class NodeLinks:
                     if again is not None:
                         replies[again.node] = again
                         listen(again)
+                    else:
+                        hedge.lose()
                     keep_pace()
                     continue
                 tell(got)
@@ -636,15 +654,17 @@ class NodeLinks:
         replies: dict[int, _Reply],
         usual: Usual,
         place: Place,
-        deadline: float,
+        hedge: Stragglers,
         on_shards: Callable[[list[Items]], object] | None,
     ) -> list[Items]:
         """Take the planned replies of ``replies`` in one C call (``take_replies``); the shards
         that landed whole (also told to ``on_shards``). A reply that ends leaves ``replies``
-        (a node with requests left stays, at its next one); one that failed is dropped (a
-        stale pooled connection, failed before its first byte, is dialed again and stays,
-        sent its requests again); one that is not the usual reply stays, its head checked and
-        its table taken here."""
+        (a node with requests left stays, at its next one); one that failed, or was still out
+        at the deadline or when ``hedge`` gave up on it, is dropped (a stale pooled
+        connection, failed before its first byte, is dialed again and stays, sent its requests
+        again); one that is not the usual reply stays, its head checked and its table taken
+        here."""
+        deadline = hedge.deadline
         taken = [
             (reply, found)
             for reply in replies.values()
@@ -671,6 +691,9 @@ class NodeLinks:
             deadline,
             state,
             usual.check,
+            hedge.spare if len(taken) == len(replies) else 0,  # others still to come: wait
+            hedge.min_s,
+            hedge.factor,
         )
         landed: list[Items] = []
         rows = state.tolist()
@@ -704,10 +727,14 @@ class NodeLinks:
                     del replies[reply.node]
                 continue
             del replies[reply.node]  # failed, or out of time: down for this read
+            if not failed and time.monotonic() < deadline:
+                self.counters["nodes_hedged"] += 1  # a straggler given up on
             reply.fresh = reply.fresh and not received
             again = self._lost(reply.node, reply if failed else None, deadline)
             if again is not None:
                 replies[again.node] = again
+            else:
+                hedge.lose()
         if landed and on_shards is not None:
             on_shards(landed)
         return landed

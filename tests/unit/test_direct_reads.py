@@ -3,6 +3,7 @@ caller's buffer; parity only when a data shard is missing or bad; a miss, never 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import select
@@ -17,7 +18,7 @@ import pytest
 from certs import self_signed
 from readnodes import ReadNodes, block_key
 
-from kvstore.blockstore import direct, readlinks
+from kvstore.blockstore import direct, noderests, readlinks
 from kvstore.blockstore.direct import DirectReader, ReadBlocks, Spread
 from kvstore.blockstore.readlinks import Scatter
 from kvstore.blockstore.readserver import EngineReadServer
@@ -579,14 +580,85 @@ def test_replies_past_a_wake_up_land_whole_and_leave_each_socket_waking_at_one_b
     assert reader.counters["replies_taken_at_once"] == (24 if receive_in == "c" else 0)
 
 
-def test_a_node_that_stalls_mid_reply_costs_the_deadline_and_its_bytes_are_not_trusted(
-    tier: ReadNodes, receive_in: str
+@contextlib.contextmanager
+def _late(endpoint: tuple[str, int], delay_s: float) -> Iterator[tuple[str, int]]:
+    """A stand-in for the node at ``endpoint`` that passes everything on, but holds each of
+    its connections' first reply back ``delay_s``: a node that answers whole, late."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    links: list[socket.socket] = [listener]
+
+    def pump(source: socket.socket, sink: socket.socket, delay: float) -> None:
+        try:
+            while data := source.recv(1 << 20):
+                time.sleep(delay)
+                delay = 0.0
+                sink.sendall(data)
+        except OSError:
+            pass  # either side closed: the test is over
+
+    def serve() -> None:
+        while True:
+            try:
+                peer, _ = listener.accept()
+            except OSError:
+                return
+            node = socket.create_connection(endpoint)
+            links.extend((peer, node))
+            threading.Thread(target=pump, args=(peer, node, 0.0), daemon=True).start()
+            threading.Thread(target=pump, args=(node, peer, delay_s), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield listener.getsockname()[:2]
+    finally:
+        for link in links:
+            link.close()
+
+
+@pytest.mark.parametrize("paced", [False, True])
+def test_a_node_far_behind_the_others_is_given_up_on_and_its_blocks_decoded_around_it(
+    tier: ReadNodes, receive_in: str, paced: bool
+) -> None:
+    """A node that answers whole but 3 s late: once every other node's reply is in, it gets
+    its grace (``noderests.Stragglers``: 4x the read so far, 0.5 s at the least) and its
+    blocks are decoded from parity, instead of the read waiting for it (or for its 5 s
+    deadline). Paced (bytes handed on as they land, the engine's layer-wise load), the other
+    nodes wait for the slow one to keep pace until it is given up on; nothing was handed on
+    here, so its blocks are decoded too."""
+    blocks = _lease(tier)
+    slow = blocks[0].placement[2]
+    spread, out = _layer_major(list(range(len(blocks))), len(blocks))
+    with _late(tier.endpoints[slow], 3.0) as endpoint:
+        reader = DirectReader({**tier.endpoints, slow: endpoint}, 10, 2, timeout_s=5.0)
+        started = time.monotonic()
+        ok = reader.read_into(
+            tier.capability(blocks),
+            blocks,
+            out,
+            spread=spread,
+            on_prefix=(lambda nbytes, whole: False) if paced else None,
+        )
+        took = time.monotonic() - started
+    assert took < 2.0, took
+    assert ok == [True] * len(blocks)
+    _check_layer_major(tier, blocks, spread, out, ok)
+    assert reader.counters["nodes_hedged"] == 1
+    assert reader.counters["decoded_blocks"] == sum(slow in b.placement[:10] for b in blocks)
+
+
+@pytest.mark.parametrize("grace", ["default", "past the deadline"])
+def test_a_node_that_stalls_mid_reply_is_given_up_on_and_its_bytes_are_not_trusted(
+    tier: ReadNodes, receive_in: str, grace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stand-in answers with the head and table of the usual reply, then sends garbage for
-    half its shards and stalls: the read ends at its deadline, the shards that came whole fail
-    their checksums, and every block is decoded around the node."""
+    half its shards and stalls. Once every other node's reply is in, it gets its grace
+    (``noderests.Stragglers``) and is given up on, well before the read's deadline; with a
+    grace past the deadline, the read ends at the deadline. Either way the shards that came
+    whole fail their checksums, and every block is decoded around the node."""
     from kvstore.blockstore import readproto as proto
 
+    if grace != "default":
+        monkeypatch.setattr(noderests, "HEDGE_MIN_S", 60.0)
     whole = HEADER_BYTES + fragment_length(SIZE, 10)
     listener = socket.create_server(("127.0.0.1", 0))
     done = threading.Event()
@@ -606,9 +678,12 @@ def test_a_node_that_stalls_mid_reply_costs_the_deadline_and_its_bytes_are_not_t
             done.wait(10)
 
     threading.Thread(target=serve, daemon=True).start()
-    reader, took = _read_around(tier, 2, listener.getsockname()[:2], timeout_s=1.0)
+    reader, took = _read_around(tier, 2, listener.getsockname()[:2], timeout_s=3.0)
     done.set()
-    assert 1.0 <= took < 5.0, took
+    if grace == "default":
+        assert took < 2.0 and reader.counters["nodes_hedged"] == 1, took
+    else:
+        assert 3.0 <= took < 8.0 and reader.counters["nodes_hedged"] == 0, took
     assert reader.counters["node_failures"] >= 1
     liar = _lease(tier)[0].placement[2]
     assert reader.counters["decoded_blocks"] == sum(liar in b.placement[:10] for b in _lease(tier))

@@ -18,7 +18,7 @@ from kvstore.blockstore.direct import DirectReader
 from kvstore.blockstore.records import BlockLocation
 
 SIZE = 100_000
-TIMEOUT_S = 1.0
+TIMEOUT_S = 2.0
 
 
 @pytest.fixture
@@ -60,8 +60,11 @@ def test_a_node_that_failed_a_read_is_not_waited_on_again_until_it_answers_a_dia
     reader = DirectReader(endpoints, 10, 2, timeout_s=TIMEOUT_S)
     links = reader._links
     try:
-        ok, took = _read(tier, reader)  # the first read waits out its deadline on it
-        assert ok == [True] * 12 and took >= TIMEOUT_S
+        # The first read gives up on it once the others are in (``Stragglers``), not at its
+        # deadline, and its blocks come from parity.
+        ok, took = _read(tier, reader)
+        assert ok == [True] * 12 and took < TIMEOUT_S
+        assert reader.counters["nodes_hedged"] == 1
         assert reader.counters["node_failures"] == 1 and victim in links.resting()
 
         ok, took = _read(tier, reader)  # resting: not asked, its blocks from parity at once
