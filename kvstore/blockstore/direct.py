@@ -569,7 +569,7 @@ class DirectReader:
         # With ``on_prefix`` each node is asked for its data shards stripe position by position
         # (0 of every block first), so every block's first bytes arrive before its last ones.
         # A node far behind the others is given up on and its blocks decoded around it
-        # (``readlinks._Hedge``), as many as the blocks' parity left can stand in for.
+        # (``noderests.Stragglers``), as many as the blocks' parity left can stand in for.
         lost = int((read.placements < 0).sum(axis=1).max(initial=0))
         self._links.exchange(
             requests,

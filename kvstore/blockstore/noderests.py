@@ -108,15 +108,16 @@ class NodeRests(Generic[C]):
 
 class Stragglers:
     """When an exchange (``readlinks.NodeLinks.exchange``) gives up on its stragglers.
-    ``spare``: how many replies it can do without (what the blocks' parity can stand in for:
-    a node holds one shard of a block). Once no more than that many are still out, and some
-    are in, they get ``HEDGE_FACTOR`` times what the exchange took so far (``HEDGE_MIN_S`` at
-    the least); then they count as down for the read, as at the deadline, and their blocks are
-    decoded around them. The usual replies' C call (``_recvpieces.take_replies``) applies the
-    same rule to the ones it takes."""
+    ``spare``: how many of the ``asked`` replies it can do without (what the blocks' parity
+    can stand in for: a node holds one shard of a block). Once no more than that many are out,
+    and some are in, they get ``HEDGE_FACTOR`` times what the exchange took so far
+    (``HEDGE_MIN_S`` at the least); then they count as down for the read, as at the deadline,
+    and their blocks are decoded around them. The usual replies' C call
+    (``_recvpieces.take_replies``) applies the same rule to the ones it takes."""
 
-    def __init__(self, spare: int, deadline: float) -> None:
-        self.spare = spare
+    def __init__(self, spare: int, asked: int, deadline: float) -> None:
+        self.spare = spare if asked > spare else 0  # none in: nothing to be behind
+        self.asked = asked
         self.deadline = deadline
         self.min_s, self.factor = HEDGE_MIN_S, HEDGE_FACTOR
         self.started = time.monotonic()
@@ -126,9 +127,9 @@ class Stragglers:
         """A node was lost (failed, or given up on): its blocks use up one of the spare."""
         self.spare = max(0, self.spare - 1)
 
-    def until(self, out: int, asked: int) -> float:
-        """When to stop waiting, with ``out`` of ``asked`` replies still out."""
-        if not 0 < out <= self.spare or out >= asked:
+    def until(self, out: int) -> float:
+        """When to stop waiting, with ``out`` of the ``asked`` replies still out."""
+        if not 0 < out <= self.spare or out >= self.asked:
             self._give_up = None  # not down to the stragglers (or back up: a node caught up)
             return self.deadline
         if self._give_up is None:

@@ -551,8 +551,7 @@ class NodeLinks:
             opened = self._open(node, list(requests[node]), deadline)
             if opened is not None:
                 replies[node] = opened
-        asked = len(replies)
-        hedge = Stragglers(spare if asked > spare else 0, deadline)
+        hedge = Stragglers(spare, len(replies), deadline)
         landed: list[Items] = []
         if usual is not None and pace is None and self._tls is None and _pieces is not None:
             landed += self._take_usual(replies, usual, place, hedge, on_shards)
@@ -605,7 +604,7 @@ class NodeLinks:
         keep_pace()
         while replies:
             # Paced, the nodes ahead wait for the slowest: those listened to are the ones out.
-            until = hedge.until(len(listening), asked)
+            until = hedge.until(len(listening))
             left = until - time.monotonic()
             ready = poller.poll(math.ceil(left * 1000)) if left > 0 else []
             if not ready and until < deadline:  # the stragglers' grace is over
