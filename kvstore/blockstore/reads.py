@@ -3,8 +3,10 @@
 Read rule: ask the k fastest nodes holding shards of each block (data shards first, so the
 common case is a plain concatenation), one call per node per batch; shards still missing after
 the hedge delay (``ClientCore._hedge_delay``: slow nodes) or at once (failed nodes) are asked
-of the remaining nodes. A block is decoded from any k shards that agree on its payload hash
-and checked against it; a block that cannot be is a miss. Node failures never escape as
+of the remaining nodes. Nodes thought down (a failed call lately, or declared dead) are skipped,
+unless a block cannot be read without them: then they are asked as well. A block is decoded
+from any k shards that agree on its payload hash and checked against it; a block that cannot be
+is a miss, and the read says why (``BlockReadOutcome.why``). Node failures never escape as
 exceptions. Every shard comes from its storage node's answer, so a node's death or slowness is
 seen by every read.
 """
@@ -82,25 +84,39 @@ class BlockReads(ClientCore):
                 if row is not None:  # only the asked blocks become Python objects
                     placement = tuple(lease.placements[row].tolist())
                     locations[p] = BlockLocation(key, placement, int(lease.sizes[row]))
+        why: dict[int, str] = {}
         unknown = [p for p, loc in enumerate(locations) if loc is None]
         if unknown:
-            located = self._locate([checked[p] for p in unknown], lease)
+            located = self._locate([checked[p] for p in unknown], lease, why)
             for p, loc in zip(unknown, located, strict=True):
                 locations[p] = loc
-        out, degraded = self._fetch(locations)
+            why = {unknown[j]: reason for j, reason in why.items()}
+        out, degraded, unread = self._fetch(locations)
+        why.update(unread)
         if known:  # a lease's placement may predate a repair: re-locate and retry misses
             stale = [p for p, payload in enumerate(out) if payload is None and checked[p] in known]
             if stale:
-                fresh = self._locate([checked[p] for p in stale], lease)
-                retry, retry_degraded = self._fetch(fresh)
-                for p, payload, was in zip(stale, retry, retry_degraded, strict=True):
+                again: dict[int, str] = {}
+                fresh = self._locate([checked[p] for p in stale], lease, again)
+                retry, retry_degraded, unread = self._fetch(fresh)
+                again.update(unread)
+                for j, (p, payload, was) in enumerate(
+                    zip(stale, retry, retry_degraded, strict=True)
+                ):
                     out[p], degraded[p] = payload, was
+                    why.pop(p, None)
+                    if j in again:
+                        why[p] = again[j]
         self.counters["get_blocks"] += len(checked)
         self.counters["get_misses"] += sum(1 for payload in out if payload is None)
         self.counters["degraded_blocks"] += sum(degraded)
-        return BlockReadOutcome(out, degraded)
+        return BlockReadOutcome(out, degraded, why)
 
-    def _locate(self, keys: list[BlockKey], lease: Lease | None) -> list[BlockLocation | None]:
+    def _locate(
+        self, keys: list[BlockKey], lease: Lease | None, why: dict[int, str]
+    ) -> list[BlockLocation | None]:
+        """Each key's location from its meta shard (None: a miss, its reason put in ``why``
+        by position)."""
         out: list[BlockLocation | None] = [None] * len(keys)
         until = lease.until if lease is not None else None
         for _shard, (positions, reply) in self._meta_calls(
@@ -108,6 +124,7 @@ class BlockReads(ClientCore):
         ).items():
             if isinstance(reply, NodeUnavailable):
                 self.counters["meta_unavailable"] += 1
+                why.update((p, f"its meta shard did not answer ({reply})") for p in positions)
                 continue
             self._learn_down(reply.down)
             for j, p in enumerate(positions):
@@ -115,6 +132,8 @@ class BlockReads(ClientCore):
                     out[p] = BlockLocation(
                         keys[p], tuple(int(x) for x in reply.placements[j]), int(reply.sizes[j])
                     )
+                else:
+                    why[p] = "not in the index"
         return out
 
     @staticmethod
@@ -132,10 +151,21 @@ class BlockReads(ClientCore):
             candidates.sort(key=lambda index: placement[index] in slow)
         return candidates
 
+    @staticmethod
+    def _skipped(placement: Sequence[int], asked: set[int], down: set[int]) -> list[int]:
+        """Stripe indices not asked because their node is thought down (it failed a call
+        lately, or the cluster declared it dead)."""
+        return [
+            index
+            for index, node in enumerate(placement)
+            if node >= 0 and index not in asked and node in down
+        ]
+
     def _fetch(
         self, locations: Sequence[BlockLocation | None]
-    ) -> tuple[list[np.ndarray | None], list[bool]]:
-        """The blocks at ``locations`` (None: a miss) and whether each was degraded."""
+    ) -> tuple[list[np.ndarray | None], list[bool], dict[int, str]]:
+        """The blocks at ``locations`` (None: a miss), whether each was degraded, and why each
+        located block that missed did (by position)."""
         # One allocation for every block of the batch, each block a view of it. An array per
         # block is fresh memory each read (glibc hands small ones back to the kernel when freed
         # in bulk; large ones are mmaps), and fresh pages fault on first touch, which cost
@@ -152,7 +182,7 @@ class BlockReads(ClientCore):
             slots.append(arena[offset : offset + location.size])
             offset += location.size
         down = set(self.down_nodes())
-        out = self._gather_shards(locations, slots, down)
+        out, why = self._gather_shards(locations, slots, down)
         arena.flags.writeable = False  # so no view of it can be made writeable again
         # ``down`` now holds every node seen down during this read, too.
         degraded = [
@@ -161,16 +191,16 @@ class BlockReads(ClientCore):
             and any(node < 0 or node in down for node in location.placement[: self._k])
             for payload, location in zip(out, locations, strict=True)
         ]
-        return out, degraded
+        return out, degraded, why
 
     def _gather_shards(
         self,
         locations: Sequence[BlockLocation | None],
         slots: list[np.ndarray | None],
         down: set[int],
-    ) -> list[np.ndarray | None]:
+    ) -> tuple[list[np.ndarray | None], dict[int, str]]:
         """Ask nodes for shards, hedge, top up around failures, decode (into ``slots`` where
-        the fast path applies)."""
+        the fast path applies); why each located block that missed did."""
         n = len(locations)
         shards: list[list[np.ndarray | None]] = [[None] * self._width for _ in range(n)]
         asked: list[set[int]] = [set() for _ in range(n)]
@@ -187,7 +217,14 @@ class BlockReads(ClientCore):
                 location = locations[position]
                 if location is None or count <= 0:
                     continue
-                for index in self._rank(location.placement, asked[position], down, slow)[:count]:
+                ranked = self._rank(location.placement, asked[position], down, slow)
+                if have[position] + outstanding[position] + len(ranked) < self._k:
+                    # The nodes thought up cannot make the block: those thought down are
+                    # asked too, all of them (one that failed a call a moment ago may well
+                    # answer now: a guess must not turn a readable block into a miss).
+                    ranked += self._skipped(location.placement, asked[position], down)
+                    count = len(ranked)
+                for index in ranked[:count]:
                     per_node[location.placement[index]].append((position, index))
                     asked[position].add(index)
                     outstanding[position] += 1
@@ -275,6 +312,7 @@ class BlockReads(ClientCore):
                 ask(top_up)
         if located and not short(include_outstanding=False):
             self._note_read_time(located, time.monotonic() - start)
+        seconds = time.monotonic() - start
         if calls:
             # Answers nobody waits for any more: their nodes took at least this long (a node
             # that never answers in time must count as slow, or every read waits for its
@@ -298,7 +336,47 @@ class BlockReads(ClientCore):
             second = self._fetch_remaining(locations, retry, answered, shards, down)
             for position, payload in second.items():
                 out[position] = payload
-        return out
+        why = {
+            position: self._why_missed(
+                location, shards[position], asked[position], answered[position], down, seconds
+            )
+            for position, (location, payload) in enumerate(zip(locations, out, strict=True))
+            if payload is None and location is not None
+        }
+        return out, why
+
+    def _why_missed(
+        self,
+        location: BlockLocation,
+        stripe: list[np.ndarray | None],
+        asked: set[int],
+        answered: set[int],
+        down: set[int],
+        seconds: float,
+    ) -> str:
+        """Why a located block missed, in words: which of its shards came and what became of
+        the others (a dead host's two nodes and a third that failed read differently from a
+        block whose shards came but did not decode)."""
+        placement = location.placement
+        came = sum(shard is not None for shard in stripe)
+        if came >= self._k:
+            return f"{came} shards came but no {self._k} of them decode to its payload hash"
+        fates: dict[str, list[int]] = defaultdict(list)
+        for index, node in enumerate(placement):
+            if node < 0:
+                fates["lost (stripe positions)"].append(index)
+            elif stripe[index] is not None:
+                continue
+            elif index not in asked:
+                fates["not asked (thought down)"].append(node)
+            elif index not in answered:
+                fates[f"no answer in {seconds:.1f} s"].append(node)
+            elif node in down:
+                fates["failed"].append(node)
+            else:
+                fates["did not hold it"].append(node)
+        said = "; ".join(f"{fate}: {sorted(nodes)}" for fate, nodes in fates.items())
+        return f"{came} of {len(placement)} shards came ({self._k} needed); {said}"
 
     def _fetch_remaining(
         self,

@@ -114,10 +114,13 @@ class LookupResult:
 
 @dataclass(frozen=True)
 class BlockReadOutcome:
-    """What one ``read`` got: each block's payload (None: a miss) and whether it was degraded."""
+    """What one ``read`` got: each block's payload (None: a miss) and whether it was degraded;
+    for each miss (by position), why, in words: what an operator needs to tell a lost block
+    from a node the read could not reach in time."""
 
     payloads: list[np.ndarray | None]
     degraded: list[bool]
+    why: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,8 @@ class LoadStats:
     #: (monotonic start, seconds) of the get call of each missed key, in the same order: when
     #: a scenario's misses happened, and whether the call ran into its deadline.
     missed_in: list[tuple[float, float]] = field(default_factory=list)
+    #: Why each missed key missed, as the tier said (``BlockRead.miss_detail``), same order.
+    missed_why: list[str | None] = field(default_factory=list)
     #: (monotonic start, seconds) of every get call.
     get_latencies: list[tuple[float, float]] = field(default_factory=list)
     #: Every put call, in the order they ended.
@@ -238,6 +240,7 @@ class LoadGenerator:
                 error_messages=list(stats.error_messages),
                 missed_keys=list(stats.missed_keys),
                 missed_in=list(stats.missed_in),
+                missed_why=list(stats.missed_why),
                 get_latencies=list(stats.get_latencies),
                 put_log=list(stats.put_log),
             )
@@ -295,12 +298,13 @@ class LoadGenerator:
                 continue
             started = time.monotonic()
             try:
-                reads = [read.payload for read in reader.get_blocks(keys)]
+                got = reader.get_blocks(keys)
             except Exception as error:
                 self._error(f"get raised {type(error).__name__}: {error}")
                 continue
             seconds = time.monotonic() - started
-            check = ledger.check(keys, reads)
+            check = ledger.check(keys, [read.payload for read in got])
+            why = {read.key: read.miss_detail for read in got if read.payload is None}
             with self._lock:
                 self.stats.operations += len(keys)
                 self.stats.reads_ok += check.ok
@@ -308,5 +312,6 @@ class LoadGenerator:
                 self.stats.wrong_bytes += check.wrong
                 self.stats.missed_keys.extend(check.missed_keys)
                 self.stats.missed_in.extend([(started, seconds)] * len(check.missed_keys))
+                self.stats.missed_why.extend(why.get(key) for key in check.missed_keys)
                 self.stats.get_latencies.append((started, seconds))
             self._stop.wait(self._config.pause_s)

@@ -389,9 +389,11 @@ class ClusterTier:
         return [
             BlockRead(key=key, payload=payload.tobytes(), degraded=was_degraded)
             if payload is not None
-            else BlockRead(key=key, payload=None, miss_reason=UNREADABLE)
-            for key, payload, was_degraded in zip(
-                checked, outcome.payloads, outcome.degraded, strict=True
+            else BlockRead(
+                key=key, payload=None, miss_reason=UNREADABLE, miss_detail=outcome.why.get(p)
+            )
+            for p, (key, payload, was_degraded) in enumerate(
+                zip(checked, outcome.payloads, outcome.degraded, strict=True)
             )
         ]
 

@@ -351,6 +351,9 @@ class BlockRead:
     miss_reason: str | None = None
     #: Served although a data shard's node was down: parity stood in.
     degraded: bool = False
+    #: A miss: what became of its shards, in words (which came, which nodes failed or did not
+    #: answer in time), where the tier knows.
+    miss_detail: str | None = None
 
     @property
     def found(self) -> bool:

@@ -135,19 +135,21 @@ def test_the_load_counts_puts_and_latencies_in_a_window() -> None:
 
 def test_a_host_scenario_says_when_its_missed_reads_happened() -> None:
     """A missed read under a fault is a failed read; the result says when each missing call
-    started after the fault and how long it took (a call that ran into the client's deadline
-    points at what held it up: how the partition scenario's misses were found)."""
+    started after the fault, how long it took (a call that ran into the client's deadline
+    points at what held it up: how the partition scenario's misses were found) and why its
+    first missed block missed, in the client's words."""
     from kvstore.chaos.scenarios.hosts import _reads
 
     stats = LoadStats(read_misses=3)
     stats.missed_keys += [BlockKey(os.urandom(32)) for _ in range(3)]
     stats.missed_in += [(12.0, 5.01), (12.0, 5.01), (30.5, 0.2)]
+    stats.missed_why += ["late: [4]", "late: [11]", None]
     result = ScenarioResult("partition", "a host cut off")
     _reads(result, stats, 7.0, 37.0)
     assert result.failed_reads == 3
     assert result.details["missed_calls"] == [
-        {"started_after_fault_s": 5.0, "took_s": 5.01},
-        {"started_after_fault_s": 23.5, "took_s": 0.2},
+        {"started_after_fault_s": 5.0, "took_s": 5.01, "why": "late: [4]"},
+        {"started_after_fault_s": 23.5, "took_s": 0.2, "why": None},
     ]
 
 

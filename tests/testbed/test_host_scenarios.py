@@ -4,6 +4,8 @@ with the slow suites. Each ends with the testbed down and nothing left behind.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvstore.chaos.hostrun import run_host_scenarios
@@ -15,7 +17,11 @@ def _run(name: str) -> tuple[dict, dict]:
     results, facts = run_host_scenarios([name])
     assert facts["leftovers"] == [], f"the testbed left {facts['leftovers']}"
     (result,) = results
-    return result.as_dict(), facts
+    row = result.as_dict()
+    # The whole row in the captured output: an assertion's message is cut short in CI's log,
+    # and a failure's cause is in the details (the missed calls, when they started, took).
+    print(json.dumps(row, indent=1, default=str))
+    return row, facts
 
 
 def test_a_host_cut_off_for_30_s_under_load_loses_nothing_and_comes_back_quietly() -> None:

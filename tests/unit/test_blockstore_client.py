@@ -165,11 +165,35 @@ def test_two_dead_nodes_cost_nothing_three_in_a_stripe_make_it_a_miss(tmp_path: 
     placements = place(keys, range(14), 12)
     lost = (np.isin(placements, [0, 5, 9]).sum(axis=1) >= 3).tolist()
     assert any(lost) and not all(lost)
-    got = tier.client.get_blocks(keys)
-    for g, p, is_lost in zip(got, payloads, lost, strict=True):
+    outcome = tier.client.read(keys)
+    for g, p, is_lost in zip(outcome.payloads, payloads, lost, strict=True):
         assert (g is None) if is_lost else _same(g, p)
+    # Each miss says why: which shards came, and that the other nodes failed.
+    for position, (placement, is_lost) in enumerate(zip(placements, lost, strict=True)):
+        failed = sorted({0, 5, 9} & set(placement.tolist()))
+        said = f"{12 - len(failed)} of 12 shards came (10 needed); failed: {failed}"
+        assert outcome.why.get(position) == (said if is_lost else None)
     hit = tier.client.lookup(keys).hit_blocks
     assert hit == lost.index(True)
+
+
+def test_a_node_skipped_as_down_is_asked_when_a_block_cannot_be_read_without_it(
+    tmp_path: Path,
+) -> None:
+    # Two nodes dead (a host cut off) and a third that failed one call a moment ago but
+    # answers now: the blocks with a shard on each of the three are read, not missed.
+    tier = Tier(tmp_path, nodes=14)
+    keys = [_key(i) for i in range(40)]
+    payloads = [_payload(i) for i in range(40)]
+    assert tier.client.put_blocks(keys, payloads).ok
+    tier.fanout.dead |= {(NODE, 0), (NODE, 5)}
+    tier.client._mark_failed(9)
+    needs_9 = np.isin(place(keys, range(14), 12), [0, 5, 9]).sum(axis=1) >= 3
+    assert needs_9.any() and not needs_9.all()
+    got = tier.client.get_blocks(keys)
+    assert all(_same(g, p) for g, p in zip(got, payloads, strict=True))
+    assert tier.client.counters["get_misses"] == 0
+    assert 9 not in tier.client.down_nodes()  # it answered: up again
 
 
 def test_reads_rebuilt_from_parity_are_counted_as_degraded(tmp_path: Path) -> None:
@@ -321,9 +345,12 @@ def test_the_hedge_waits_for_the_typical_tail_of_reads_of_that_size(tmp_path: Pa
 def test_a_dead_meta_shard_is_a_miss_and_a_failed_put_never_an_exception(tier: Tier) -> None:
     keys = [_key(i) for i in range(12)]
     tier.client.put_blocks(keys, [_payload(i) for i in range(12)])
+    assert tier.client.read([_key(99)]).why == {0: "not in the index"}
     tier.fanout.dead |= {(META, i) for i in range(tier.config.meta_shards)}
     assert tier.client.lookup(keys).hit_blocks == 0
-    assert tier.client.get_blocks(keys) == [None] * 12
+    outcome = tier.client.read(keys)
+    assert outcome.payloads == [None] * 12
+    assert all(outcome.why[p].startswith("its meta shard did not answer") for p in range(12))
     assert tier.client.put_blocks([_key(50)], [b"x"]).failed == [_key(50)]
 
 

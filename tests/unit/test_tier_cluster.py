@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from blockstore_tier import placements_of
 from tier_parts import GEOMETRY, InProcessTier
 
 from kvstore.blockstore.capability import CapabilityRefused, ReadCapability, verify
@@ -170,6 +171,23 @@ def test_a_reads_degraded_flag_is_its_own_under_concurrency(parts: InProcessTier
     assert nested.degraded is True
     assert outer.degraded is False
     assert tier.stats().degraded_reads == 1
+
+
+def test_a_miss_says_what_became_of_its_shards(parts: InProcessTier) -> None:
+    """Through the tier seam a miss carries the block client's words: a key never stored is
+    not in the index; a block with three of its nodes dead names them as failed; a read that
+    came whole says nothing."""
+    tier = parts.tier
+    _, keys = prompt(40, seed=4)
+    tier.put_blocks(keys, [payload(k) for k in keys])
+    (never,) = tier.get_blocks([bytes(32)])
+    assert never.payload is None and never.miss_detail == "not in the index"
+    assert all(r.payload is not None and r.miss_detail is None for r in tier.get_blocks(keys))
+    dead = {int(n) for n in placements_of(parts.blocks, keys[:1])[0][:3]}
+    parts.blocks.fanout.dead |= {(NODE, n) for n in dead}
+    (read,) = tier.get_blocks(keys[:1])
+    assert read.payload is None and read.miss_reason
+    assert read.miss_detail == f"9 of 12 shards came (10 needed); failed: {sorted(dead)}"
 
 
 def test_concurrent_hits_share_one_lookup_round(parts: InProcessTier) -> None:

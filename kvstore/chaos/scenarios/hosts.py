@@ -138,16 +138,22 @@ def _puts(result: ScenarioResult, stats: LoadStats, since: float, until: float) 
 
 def _reads(result: ScenarioResult, stats: LoadStats, since: float, until: float) -> None:
     """Read misses of the load count as failed reads (every stripe keeps >= 10 shards). For
-    each call that missed (at most 10), when it started after the fault and how long it took:
-    a call that ran into the client's deadline says where to look."""
+    each call that missed (at most 10), when it started after the fault, how long it took and
+    why its first missed block missed (the client's words: which nodes failed or were late)."""
     result.failed_reads += stats.read_misses
     before = stats.percentile_ms(99, until=since)
     during = stats.percentile_ms(99, since, until)
     result.details["get_p99_ms"] = {"before": before, "during_fault": during}
-    calls = sorted(set(stats.missed_in))[:10]
+    why: dict[tuple[float, float], str | None] = {}
+    for call, reason in zip(stats.missed_in, stats.missed_why, strict=True):
+        why.setdefault(call, reason)
     result.details["missed_calls"] = [
-        {"started_after_fault_s": round(started - since, 2), "took_s": round(took, 2)}
-        for started, took in calls
+        {
+            "started_after_fault_s": round(started - since, 2),
+            "took_s": round(took, 2),
+            "why": why[started, took],
+        }
+        for started, took in sorted(why)[:10]
     ]
 
 
@@ -180,8 +186,8 @@ class _RepairBudget:
     twice when the two are declared dead a round apart."""
 
     #: Shards on the host when it was cut off, and those the load's under-redundant puts did
-    #: not write meanwhile (a put in flight at the cut included): the repair's work while the
-    #: link is down.
+    #: not write before the link came back (a put in flight at the cut included): the repair's
+    #: work while the link is down.
     shards_on_host: int = 0
     under_redundant: int = 0
     #: When the link came back: shards still placed on the host (not yet repaired), and what
@@ -258,6 +264,7 @@ def partition(tier: ChaosTier) -> ScenarioResult:
     with LoadGenerator(
         tier, LoadConfig(max_seconds=PARTITION_S + 600), tier.config.seed + 18
     ) as load:
+        load_began = time.monotonic()
         time.sleep(BEFORE_S)
         shards_on_host: int | None = None
         named_before = _holders(client, cut_off).count(victim)
@@ -294,7 +301,9 @@ def partition(tier: ChaosTier) -> ScenarioResult:
             time.sleep(0.5)
         up_at = time.monotonic()
         repaired_at_up = float(tier.repair_stats()["shards"])
-        short = load.snapshot().puts_between(down_at, up_at, running=True).under_redundant
+        # Since the load began: a block written short before the cut (a node slow past the
+        # call timeout on a busy machine) may be repaired only after it.
+        short = load.snapshot().puts_between(load_began, up_at, running=True).under_redundant
         config = tier.blockstore_config
         budget = _RepairBudget(
             shards_on_host=shards_on_host or 0,
