@@ -19,6 +19,9 @@ run, in alternating order:
 - direct + copy into the KV rows: the read into a layer-major staging region, then each
   layer's span copied into those rows (what a CPU engine did before loads landed in place,
   ``loads_in_place`` false);
+- direct, a node down: the plain direct read by a reader for which one storage node's read
+  socket refuses (a node that died: nothing listens at its address): the blocks with a data
+  shard there come from parity (the data shards that landed kept, the parity asked for);
 - get_blocks: the existing client read with the lease, as the gateway does before it streams
   the blocks back (arrays in the client's arena);
 - get_blocks + copy: the same, then each block copied into a staging buffer (what an engine
@@ -39,6 +42,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -98,13 +102,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert put.ok and not put.busy, put
         expected = np.concatenate(payloads)
         read_key = handles.read_key()  # this process is the tier here: it mints
-        reader = DirectReader(handles.read_endpoints(), config.data_shards, config.parity_shards)
+        endpoints = handles.read_endpoints()
+        reader = DirectReader(endpoints, config.data_shards, config.parity_shards)
+        # A dead node's address: a socket bound on loopback and never listening refuses.
+        dead = socket.socket()
+        dead.bind(("127.0.0.1", 0))
+        down_node = min(endpoints)
+        degraded = DirectReader(
+            {**endpoints, down_node: dead.getsockname()}, config.data_shards, config.parity_shards
+        )
         staging = np.zeros(args.blocks * size, np.uint8)
         names = (
             "direct",
             "direct, by layer",
             "direct, into the KV rows",
             "direct + copy into the KV rows",
+            "direct, a node down",
             "get_blocks",
             "get_blocks + copy",
         )
@@ -155,6 +168,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             client.release(found.lease)
             landed = kv_rows[:, first_row : first_row + args.blocks]
             assert all(ok) and np.array_equal(landed, rows_want), "KV rows: not bit-exact"
+            return took
+
+        def direct_down() -> float:
+            staging[:] = 0
+            found = client.lookup(keys)
+            assert found.lease is not None and found.hit_blocks == len(keys)
+            capability = mint_for_lease(read_key, found.lease, "bench")
+            began = time.perf_counter()
+            ok = degraded.read_into(capability, list(found.lease.blocks), staging)
+            took = time.perf_counter() - began
+            client.release(found.lease)
+            assert all(ok) and np.array_equal(staging, expected), "a node down: not bit-exact"
             return took
 
         def direct(by_layer: bool) -> float:
@@ -212,6 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "direct, by layer": lambda: direct(True),
             "direct, into the KV rows": lambda: into_kv(False),
             "direct + copy into the KV rows": lambda: into_kv(True),
+            "direct, a node down": direct_down,
             "get_blocks": lambda: gateway(False),
             "get_blocks + copy": lambda: gateway(True),
         }
@@ -248,8 +274,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "first_layer_ms_median": 1000 * statistics.median(first_layer_s),
             "layers": args.layers,
             "reader": dict(reader.counters),
+            "reader_a_node_down": dict(degraded.counters),
         }
     finally:
+        dead.close()
         if handles is not None:
             handles.shutdown()
         shutil.rmtree(data_root, ignore_errors=True)
@@ -285,6 +313,18 @@ def table(results: dict[str, Any]) -> str:
     lines.append(
         f"into a CPU engine's KV rows: in place {in_place:.1f} ms, read into staging and copied "
         f"{copied:.1f} ms ({copied - in_place:+.1f} ms, medians)"
+    )
+    down = results["rows"]["direct, a node down"]["median_ms"]
+    counted, healthy = results["reader_a_node_down"], results["reader"]
+
+    def per_block_kb(counters: dict[str, int]) -> float:
+        return counters.get("bytes_received", 0) / max(1, counters.get("blocks", 0)) / 1e3
+
+    lines.append(
+        f"a node down: {down:.1f} ms, {down / results['rows']['direct']['median_ms']:.2f}x the "
+        f"healthy read; {counted.get('decoded_blocks', 0)} of {counted.get('blocks', 0)} blocks "
+        f"decoded from parity, {counted.get('shards_kept', 0)} data shards kept for them; "
+        f"{per_block_kb(counted):.0f} KB received a block ({per_block_kb(healthy):.0f} healthy)"
     )
     return "\n".join(lines)
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -321,6 +321,8 @@ class _Plan:
 
 #: ``on_prefix(nbytes, whole) -> handed on``: see ``DirectReader.read_into``.
 OnPrefix = Callable[[int, np.ndarray], bool]
+#: Per block, the shards a read already holds whole and checked, by stripe index.
+Kept = dict[int, dict[int, np.ndarray]]
 
 
 class DirectReader:
@@ -434,20 +436,24 @@ class DirectReader:
             spread,
         )
         self._links.down.clear()
-        ok, in_use = self._fast(read, on_prefix)
+        ok, in_use, kept = self._fast(read, on_prefix)
         careful = np.flatnonzero(~ok)
         if careful.size and not in_use:
             read.deadline = time.monotonic() + self._timeout
-            ok[careful] = self._careful(read, careful.tolist())
+            ok[careful] = self._careful(read, careful.tolist(), kept(careful))
         self.counters["blocks"] += n
         self.counters["misses"] += int(n - ok.sum())
         return ok.tolist()
 
     # --- the common case: data shards into place ------------------------------------------------
 
-    def _fast(self, read: _Read, on_prefix: OnPrefix | None) -> tuple[np.ndarray, bool]:
+    def _fast(
+        self, read: _Read, on_prefix: OnPrefix | None
+    ) -> tuple[np.ndarray, bool, Callable[[np.ndarray], Kept]]:
         """Each block whose k data shards land in place and check out (see the module doc),
-        and whether ``on_prefix`` put blocks' bytes to use before the read ended."""
+        whether ``on_prefix`` put blocks' bytes to use before the read ended, and what of the
+        other blocks came and checked out (``kept``: their data shards whole again, for the
+        careful path, which then asks the nodes only for the rest)."""
         k = self.k
         n = len(read.sizes)
         sizes = read.sizes
@@ -585,7 +591,26 @@ class DirectReader:
             tell(k)
         good = np.asarray(checked.all(axis=1))
         self.counters["fast_blocks"] += int(good.sum())
-        return good, in_use
+
+        def kept(blocks: np.ndarray) -> Kept:
+            """The data shards of ``blocks`` that landed with their header and checksum
+            holding, each made whole again: its header, its fragment from where it landed,
+            the padding (zeros, as encoded)."""
+            out: Kept = {}
+            bs, indices = np.nonzero(landed[blocks] & (sums[blocks] == 1))
+            bs = blocks[bs]
+            table = np.column_stack([bs, indices, *span(bs, indices)]).tolist()
+            for b, index, length, at, nbytes in table:
+                shard = np.zeros(HEADER_BYTES + length, np.uint8)
+                shard[:HEADER_BYTES] = heads[b, index]
+                filled = HEADER_BYTES
+                for piece in read.pieces(b, at, nbytes):
+                    shard[filled : filled + len(piece)] = np.frombuffer(piece, np.uint8)
+                    filled += len(piece)
+                out.setdefault(b, {})[index] = shard
+            return out
+
+        return good, in_use, kept
 
     def _requests(
         self, read: _Read, asks: dict[int, Items], by_position: bool = False
@@ -610,7 +635,9 @@ class DirectReader:
 
     # --- the careful path: every shard, checked, decoded ----------------------------------------
 
-    def _careful(self, read: _Read, chosen: list[int]) -> list[bool]:
+    def _careful(self, read: _Read, chosen: list[int], kept: Kept) -> list[bool]:
+        """Decode each of the ``chosen`` blocks from every shard it has: those ``kept`` from the
+        fast pass (checked there) and the rest, asked of their nodes now."""
         width = self.k + self.m
         landing: dict[tuple[int, int], np.ndarray] = {}
 
@@ -635,6 +662,11 @@ class DirectReader:
         stripes: dict[int, list[np.ndarray | None]] = {b: [None] * width for b in chosen}
         placements = read.placements[rows]
         placements[np.isin(placements, list(self._links.down))] = -1  # down for this read
+        for row, b in enumerate(chosen):
+            for index, shard in kept.get(b, {}).items():
+                stripes[b][index] = shard
+                placements[row, index] = -1  # at hand: not asked again
+        self.counters["shards_kept"] += sum(len(held) for held in kept.values())
         asks = _asks(placements, rows)
         for bs, indices in self._links.exchange(self._requests(read, asks), place, read.deadline):
             for b, index in zip(bs.tolist(), indices.tolist(), strict=True):
@@ -644,11 +676,12 @@ class DirectReader:
             size = int(read.sizes[b])
             key = read.keys[b].tobytes()
             places = read.pieces(b, 0, size)
+            trusted = kept.get(b, {}).keys()
             if len(places) == 1:
-                out.append(self._decode(key, size, stripes[b], places[0]))
+                out.append(self._decode(key, size, stripes[b], places[0], trusted))
                 continue
             whole = np.empty(size, np.uint8)  # decoded whole, then cut up as the read says
-            decoded = self._decode(key, size, stripes[b], memoryview(whole))  # type: ignore[arg-type]
+            decoded = self._decode(key, size, stripes[b], memoryview(whole), trusted)  # type: ignore[arg-type]
             if decoded:
                 at = 0
                 for spot in places:
@@ -659,15 +692,20 @@ class DirectReader:
         return out
 
     def _decode(
-        self, key: bytes, size: int, stripe: list[np.ndarray | None], target: memoryview
+        self,
+        key: bytes,
+        size: int,
+        stripe: list[np.ndarray | None],
+        target: memoryview,
+        trusted: Collection[int] = (),
     ) -> bool:
         """Decode the block of ``key`` (``size`` bytes) into ``target`` from the shards of
-        ``stripe`` that pass their own checks, one write at a time; True once a decode hashes
-        to its write's hash."""
+        ``stripe`` that pass their own checks (those at ``trusted`` indices passed them
+        already), one write at a time; True once a decode hashes to its write's hash."""
         checked: list[np.ndarray | None] = []
         for index, shard in enumerate(stripe):
-            if shard is None:
-                checked.append(None)
+            if shard is None or index in trusted:
+                checked.append(shard)
                 continue
             try:
                 check_shard(shard, key=key, index=index, k=self.k, m=self.m, payload_len=size)

@@ -360,7 +360,13 @@ def test_a_node_down_is_decoded_around_from_parity(tier: ReadNodes, receive_in: 
     ok = reader.read_into(tier.capability(blocks), blocks, out)
     assert ok == [True] * len(blocks)
     _check(tier, blocks, out, ok)
-    assert reader.counters["decoded_blocks"] > 0
+    decoded = sum(4 in b.placement[:10] for b in blocks)
+    assert reader.counters["decoded_blocks"] == decoded > 0
+    # The careful pass keeps the 9 data shards each of those blocks got and asks only for
+    # its 2 parity shards: the nodes served every data shard not on node 4, then those.
+    assert reader.counters["shards_kept"] == 9 * decoded
+    served = sum(10 - (4 in b.placement[:10]) for b in blocks) + 2 * decoded
+    assert reader.counters["shards_served"] == served
 
 
 def test_a_damaged_data_shard_is_found_and_decoded_around(
