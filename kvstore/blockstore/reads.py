@@ -151,16 +151,6 @@ class BlockReads(ClientCore):
             candidates.sort(key=lambda index: placement[index] in slow)
         return candidates
 
-    @staticmethod
-    def _skipped(placement: Sequence[int], asked: set[int], down: set[int]) -> list[int]:
-        """Stripe indices not asked because their node is thought down (it failed a call
-        lately, or the cluster declared it dead)."""
-        return [
-            index
-            for index, node in enumerate(placement)
-            if node >= 0 and index not in asked and node in down
-        ]
-
     def _fetch(
         self, locations: Sequence[BlockLocation | None]
     ) -> tuple[list[np.ndarray | None], list[bool], dict[int, str]]:
@@ -222,7 +212,7 @@ class BlockReads(ClientCore):
                     # The nodes thought up cannot make the block: those thought down are
                     # asked too, all of them (one that failed a call a moment ago may well
                     # answer now: a guess must not turn a readable block into a miss).
-                    ranked += self._skipped(location.placement, asked[position], down)
+                    ranked = self._rank(location.placement, asked[position], set(), slow)
                     count = len(ranked)
                 for index in ranked[:count]:
                     per_node[location.placement[index]].append((position, index))
