@@ -61,6 +61,7 @@ import xxhash
 
 from kvstore.blockstore import readproto as proto
 from kvstore.blockstore.capability import ReadCapability
+from kvstore.blockstore.inplace import Landed
 from kvstore.blockstore.readlinks import (
     Items,
     NodeLinks,
@@ -321,8 +322,6 @@ class _Plan:
 
 #: ``on_prefix(nbytes, whole) -> handed on``: see ``DirectReader.read_into``.
 OnPrefix = Callable[[int, np.ndarray], bool]
-#: Per block, the shards a read already holds whole and checked, by stripe index.
-Kept = dict[int, dict[int, np.ndarray]]
 
 
 class DirectReader:
@@ -436,24 +435,22 @@ class DirectReader:
             spread,
         )
         self._links.down.clear()
-        ok, in_use, kept = self._fast(read, on_prefix)
+        ok, in_use, landed = self._fast(read, on_prefix)
         careful = np.flatnonzero(~ok)
         if careful.size and not in_use:
             read.deadline = time.monotonic() + self._timeout
-            ok[careful] = self._careful(read, careful.tolist(), kept(careful))
+            ok[careful] = self._careful(read, careful.tolist(), landed)
         self.counters["blocks"] += n
         self.counters["misses"] += int(n - ok.sum())
         return ok.tolist()
 
     # --- the common case: data shards into place ------------------------------------------------
 
-    def _fast(
-        self, read: _Read, on_prefix: OnPrefix | None
-    ) -> tuple[np.ndarray, bool, Callable[[np.ndarray], Kept]]:
+    def _fast(self, read: _Read, on_prefix: OnPrefix | None) -> tuple[np.ndarray, bool, Landed]:
         """Each block whose k data shards land in place and check out (see the module doc),
         whether ``on_prefix`` put blocks' bytes to use before the read ended, and what of the
-        other blocks came and checked out (``kept``: their data shards whole again, for the
-        careful path, which then asks the nodes only for the rest)."""
+        other blocks came and checked out (``inplace.Landed``: the careful path asks the nodes
+        only for the rest)."""
         k = self.k
         n = len(read.sizes)
         sizes = read.sizes
@@ -592,25 +589,7 @@ class DirectReader:
         good = np.asarray(checked.all(axis=1))
         self.counters["fast_blocks"] += int(good.sum())
 
-        def kept(blocks: np.ndarray) -> Kept:
-            """The data shards of ``blocks`` that landed with their header and checksum
-            holding, each made whole again: its header, its fragment from where it landed,
-            the padding (zeros, as encoded)."""
-            out: Kept = {}
-            bs, indices = np.nonzero(landed[blocks] & (sums[blocks] == 1))
-            bs = blocks[bs]
-            table = np.column_stack([bs, indices, *span(bs, indices)]).tolist()
-            for b, index, length, at, nbytes in table:
-                shard = np.zeros(HEADER_BYTES + length, np.uint8)
-                shard[:HEADER_BYTES] = heads[b, index]
-                filled = HEADER_BYTES
-                for piece in read.pieces(b, at, nbytes):
-                    shard[filled : filled + len(piece)] = np.frombuffer(piece, np.uint8)
-                    filled += len(piece)
-                out.setdefault(b, {})[index] = shard
-            return out
-
-        return good, in_use, kept
+        return good, in_use, Landed(heads, landed & (sums == 1), sizes, read.pieces)
 
     def _requests(
         self, read: _Read, asks: dict[int, Items], by_position: bool = False
@@ -635,9 +614,10 @@ class DirectReader:
 
     # --- the careful path: every shard, checked, decoded ----------------------------------------
 
-    def _careful(self, read: _Read, chosen: list[int], kept: Kept) -> list[bool]:
-        """Decode each of the ``chosen`` blocks from every shard it has: those ``kept`` from the
-        fast pass (checked there) and the rest, asked of their nodes now."""
+    def _careful(self, read: _Read, chosen: list[int], landed: Landed) -> list[bool]:
+        """Decode each of the ``chosen`` blocks from every shard it has: those ``landed`` in the
+        fast pass (checked there) and the rest, asked of their nodes now. Rebuilt in place
+        where it can (``Landed.rebuild``), else each shard checked and decoded (``_decode``)."""
         width = self.k + self.m
         landing: dict[tuple[int, int], np.ndarray] = {}
 
@@ -662,21 +642,25 @@ class DirectReader:
         stripes: dict[int, list[np.ndarray | None]] = {b: [None] * width for b in chosen}
         placements = read.placements[rows]
         placements[np.isin(placements, list(self._links.down))] = -1  # down for this read
-        for row, b in enumerate(chosen):
-            for index, shard in kept.get(b, {}).items():
-                stripes[b][index] = shard
-                placements[row, index] = -1  # at hand: not asked again
-        self.counters["shards_kept"] += sum(len(held) for held in kept.values())
+        kept = landed.usable[rows]
+        placements[:, : self.k][kept] = -1  # at hand: not asked again
+        self.counters["shards_kept"] += int(kept.sum())
         asks = _asks(placements, rows)
         for bs, indices in self._links.exchange(self._requests(read, asks), place, read.deadline):
             for b, index in zip(bs.tolist(), indices.tolist(), strict=True):
                 stripes[b][index] = landing[b, index]
         out = []
         for b in chosen:
-            size = int(read.sizes[b])
             key = read.keys[b].tobytes()
+            if landed.rebuild(self._codec, b, key, stripes[b], self.counters):
+                out.append(True)
+                continue
+            size = int(read.sizes[b])
             places = read.pieces(b, 0, size)
-            trusted = kept.get(b, {}).keys()
+            held = landed.shards(b)
+            for index, shard in held.items():
+                stripes[b][index] = shard
+            trusted = held.keys()
             if len(places) == 1:
                 out.append(self._decode(key, size, stripes[b], places[0], trusted))
                 continue

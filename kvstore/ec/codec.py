@@ -623,6 +623,60 @@ class Codec:
             self._tables[pattern] = tables
         return tables
 
+    def rebuild_in_place(
+        self, block: np.ndarray, present: Iterable[int], parity: dict[int, np.ndarray]
+    ) -> bool:
+        """ISA-L: rebuild the data rows ``block`` (a writable payload, fragment_length apart,
+        the last one maybe partial) lacks, straight into their place, from the rows
+        ``present`` there and the ``parity`` fragments (index -> fragment_length bytes).
+        False, with nothing written, when the sources are fewer than k or ISA-L is not here.
+        The caller checks the payload hash: nothing here proves the sources are one write."""
+        k, size = self.k, len(block)
+        if self._isal is None or not size:
+            return False
+        fragment_len = fragment_length(size, k)
+        full, rest = divmod(size, fragment_len)  # whole rows, bytes of a partial last one
+        rows = full + (rest > 0)  # rows past these hold only padding: zeros, never read
+        have = set(present)
+        missing = tuple([row for row in range(rows) if row not in have])
+        if not missing:
+            return True
+        sources = tuple([*sorted(have | set(range(rows, k))), *sorted(parity)][:k])
+        if len(sources) < k:
+            return False
+        if any(len(parity[row]) != fragment_len for row in sources if row >= k):
+            raise InvalidArgument("parity", f"fragments must be {fragment_len} bytes")
+        # Padding rows, a present partial row (padded) and a lost partial row (rebuilt whole,
+        # then its head copied) are rows of ``spare``: 0 zeros, 1 the partial source, 2 out.
+        spare = np.zeros((3, fragment_len), np.uint8)
+        if rest and full in have:
+            spare[1, :rest] = block[full * fragment_len :]
+        base, rows_at = address(block), address(spare)
+
+        def at(row: int) -> int:
+            if row >= k:
+                return address(parity[row])
+            if row < full:
+                return base + row * fragment_len
+            return rows_at + (fragment_len if row == full and rest else 0)
+
+        out = rows_at + 2 * fragment_len
+        table = struct.pack(
+            f"{k + len(missing)}P",
+            *map(at, sources),
+            *[base + row * fragment_len if row < full else out for row in missing],
+        )
+        self._isal.run(
+            self._decode_tables(sources, missing),
+            len(missing),
+            fragment_len,
+            table,
+            table[k * _POINTER_BYTES :],
+        )
+        if rest and full in missing:
+            block[full * fragment_len :] = spare[2, :rest]
+        return True
+
     # --- repair and scrub --------------------------------------------------------------------
 
     def reconstruct(

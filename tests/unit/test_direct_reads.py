@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xxhash
 from certs import self_signed
 from readnodes import ReadNodes, block_key
 
@@ -85,7 +86,7 @@ def _counted(server: EngineReadServer, done: Callable[[dict[str, Any]], bool]) -
     return stats
 
 
-def _reads_whole_decoding_one(tier: ReadNodes, blocks: list[BlockLocation]) -> None:
+def _reads_whole_decoding_one(tier: ReadNodes, blocks: list[BlockLocation]) -> DirectReader:
     """Every block of ``blocks`` reads whole and right, one of them decoded from parity."""
     reader = DirectReader(tier.endpoints, 10, 2)
     out = np.zeros(len(blocks) * SIZE, np.uint8)
@@ -93,6 +94,7 @@ def _reads_whole_decoding_one(tier: ReadNodes, blocks: list[BlockLocation]) -> N
     assert ok == [True] * len(blocks)
     _check(tier, blocks, out, ok)
     assert reader.counters["decoded_blocks"] == 1
+    return reader
 
 
 def _damage(tier: ReadNodes, node: int, key: bytes, at: int = 10) -> None:
@@ -284,6 +286,8 @@ def test_layer_major_blocks_are_decoded_into_place_or_missed(tier: ReadNodes) ->
     assert ok == [b != 7 for b in range(len(blocks))]
     _check_layer_major(tier, blocks, spread, out, ok)
     assert reader.counters["decoded_blocks"] > 0
+    # Each rebuilt whole from the rows it got, then cut up again (``inplace.Landed``).
+    assert reader.counters["rebuilt_in_place"] == reader.counters["decoded_blocks"]
 
 
 def test_progress_hands_on_each_blocks_first_bytes_in_order(tier: ReadNodes) -> None:
@@ -352,7 +356,9 @@ def test_blocks_smaller_than_a_fragment_per_shard_land_whole(
     assert reader.counters["fast_blocks"] == 5
 
 
-def test_a_node_down_is_decoded_around_from_parity(tier: ReadNodes, receive_in: str) -> None:
+def _read_with_node_4_down(tier: ReadNodes) -> tuple[DirectReader, int]:
+    """The lease read whole and right with node 4's socket closed: the reader, and how many
+    blocks it decoded (every block with a data shard on node 4)."""
     blocks = _lease(tier)
     tier.servers[4].close()
     reader = DirectReader(tier.endpoints, 10, 2, timeout_s=5.0)
@@ -362,11 +368,40 @@ def test_a_node_down_is_decoded_around_from_parity(tier: ReadNodes, receive_in: 
     _check(tier, blocks, out, ok)
     decoded = sum(4 in b.placement[:10] for b in blocks)
     assert reader.counters["decoded_blocks"] == decoded > 0
+    return reader, decoded
+
+
+def test_a_node_down_is_decoded_around_from_parity(tier: ReadNodes, receive_in: str) -> None:
+    blocks = _lease(tier)
+    reader, decoded = _read_with_node_4_down(tier)
     # The careful pass keeps the 9 data shards each of those blocks got and asks only for
     # its 2 parity shards: the nodes served every data shard not on node 4, then those.
     assert reader.counters["shards_kept"] == 9 * decoded
     served = sum(10 - (4 in b.placement[:10]) for b in blocks) + 2 * decoded
     assert reader.counters["shards_served"] == served
+    # Each rebuilt where its 9 rows lie, from those and a parity fragment (``inplace``).
+    assert reader.counters["rebuilt_in_place"] == decoded
+
+
+def test_a_parity_shard_that_lies_about_its_write_never_lands_in_a_block(
+    tier: ReadNodes, receive_in: str
+) -> None:
+    """With a node down, one block's first parity shard names the block's write and its
+    checksum holds, but its fragment is another payload's. Rebuilt in place from it, the block
+    fails its payload hash; it is decoded from the other parity shard instead."""
+    victim = next(b for b in _lease(tier) if 4 in b.placement[:10])
+    path, offset, length = tier.nodes[victim.placement[10]].locate([victim.key])[0] or ("", 0, 0)
+    other = np.random.default_rng(98).integers(0, 256, SIZE, dtype=np.uint8)
+    liar = np.asarray(tier.codec.encode(other, victim.key)[10]).copy()
+    with open(path, "r+b") as file:
+        file.seek(offset + RECORD_BYTES)
+        liar[:HEADER_BYTES] = np.frombuffer(file.read(HEADER_BYTES), np.uint8)
+        liar[:8] = np.frombuffer(xxhash.xxh3_64_digest(liar[8:].tobytes()), np.uint8)
+        assert len(liar) == length - RECORD_BYTES
+        file.seek(offset + RECORD_BYTES)
+        file.write(liar.tobytes())
+    reader, decoded = _read_with_node_4_down(tier)
+    assert reader.counters["rebuilt_in_place"] == decoded - 1
 
 
 def test_a_damaged_data_shard_is_found_and_decoded_around(
@@ -441,7 +476,8 @@ def test_a_whole_shard_of_another_write_of_the_block_is_not_taken(
     with open(path, "r+b") as file:
         file.seek(offset + RECORD_BYTES)
         file.write(np.asarray(stranger).tobytes())
-    _reads_whole_decoding_one(tier, blocks)
+    # Its rows are of two writes: not rebuilt in place, decoded by write (``_decode``).
+    assert _reads_whole_decoding_one(tier, blocks).counters["rebuilt_in_place"] == 0
 
 
 def _answering(head: bytes) -> tuple[tuple[str, int], threading.Event]:

@@ -737,3 +737,37 @@ def test_a_nodes_batch_check_in_c_is_the_array_passes_and_parse_shard() -> None:
         assert taken == ok
     with pytest.raises(ValueError):
         module._sums.check_rows(batch, length - 1, words, *(np.empty(17, t) for t in "BqQQ"))
+
+
+@pytest.mark.parametrize("size", [113_664, 131_072, 6_400, 5_000, 200, 1])
+def test_lost_data_rows_are_rebuilt_where_they_lie(codec: Codec, size: int) -> None:
+    """``rebuild_in_place``: a payload with any two data rows lost (the partial last row and
+    the rows of padding alone included) comes back whole from the rows left in place and the
+    parity fragments, and nothing outside the payload is touched."""
+    payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    shards = codec.encode(payload, os.urandom(32))
+    fragment = fragment_length(size, codec.k)
+    rows = -(-size // fragment)
+    parity = {index: shards[index][HEADER_BYTES:] for index in (10, 11)}
+    for lost in itertools.combinations(range(codec.k), 2):
+        buffer = np.full(size + 128, 0xA5, np.uint8)
+        block = buffer[64 : 64 + size]
+        block[:] = payload
+        for row in lost:
+            block[row * fragment : (row + 1) * fragment] = 0x5A
+        present = [row for row in range(rows) if row not in lost]
+        assert codec.rebuild_in_place(block, present, parity), lost
+        assert np.array_equal(block, payload), lost
+        assert (buffer[:64] == 0xA5).all() and (buffer[64 + size :] == 0xA5).all()
+
+
+def test_a_rebuild_short_of_sources_writes_nothing(codec: Codec) -> None:
+    payload = np.random.default_rng(5).integers(0, 256, 113_664, dtype=np.uint8)
+    shards = codec.encode(payload, os.urandom(32))
+    block = payload.copy()
+    block[:100] = 0
+    present = list(range(2, codec.k))  # rows 0 and 1 lost, one parity fragment
+    assert not codec.rebuild_in_place(block, present, {11: shards[11][HEADER_BYTES:]})
+    assert not block[:100].any() and np.array_equal(block[100:], payload[100:])
+    with pytest.raises(InvalidArgument, match="fragments must be"):
+        codec.rebuild_in_place(block, present, {10: shards[10], 11: shards[11]})
