@@ -18,7 +18,8 @@ import ray
 
 from kvstore.blockstore.capability import mint_for_lease
 from kvstore.blockstore.config import BlockStoreConfig
-from kvstore.blockstore.direct import DirectReader, ReadBlocks
+from kvstore.blockstore.direct import DirectReader
+from kvstore.blockstore.readblocks import ReadBlocks
 from kvstore.keys import BLOCK_TOKENS
 
 #: The benchmark gateway's bearer token (loopback only, a process of this run).

@@ -59,7 +59,8 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore.blockstore.capability import mint_for_lease  # noqa: E402
 from kvstore.blockstore.config import BlockStoreConfig, StorageNodeConfig  # noqa: E402
-from kvstore.blockstore.direct import DirectReader, Spread  # noqa: E402
+from kvstore.blockstore.direct import DirectReader  # noqa: E402
+from kvstore.blockstore.readblocks import Spread  # noqa: E402
 from kvstore.runtime.cluster import LocalClusterConfig, connect  # noqa: E402
 
 

@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from kvstore.blockstore.capability import CapabilityRefused, ReadCapability
-from kvstore.blockstore.direct import DirectReader, ReadBlocks, Spread
+from kvstore.blockstore.direct import DirectReader
+from kvstore.blockstore.readblocks import ReadBlocks, Spread
 from kvstore.fastcall.tls import ClientTLS, tls_from_env
 from kvstore.tier.records import DirectGrant
 

@@ -146,7 +146,7 @@ class KVFile:
         return cls(np.frombuffer(mapping, dtype=np.uint8), places, num_rows)
 
     def segments(self, kv: KVLayout) -> tuple[tuple[int, int, int], ...]:
-        """Where a block's bytes go (``kvstore.blockstore.direct.Spread``): each layer's slice
+        """Where a block's bytes go (``kvstore.blockstore.readblocks.Spread``): each layer's slice
         to that layer's rows, block b's in row b."""
         if len(self.places) != kv.num_layers:
             raise ValueError(f"places: {len(self.places)} for {kv.num_layers} layers")

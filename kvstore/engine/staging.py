@@ -140,7 +140,7 @@ class StageLayout:
     def block_segments(self) -> tuple[tuple[int, int, int], ...]:
         """Where a block's bytes go: ``(offset in the block, bytes, offset of row 0's slice
         in the region)`` per layer with block KV, in block order; row r's slice of a layer is
-        r slices further on (``kvstore.blockstore.direct.Spread``)."""
+        r slices further on (``kvstore.blockstore.readblocks.Spread``)."""
         if self.blocks_in_place:
             raise InvalidArgument("layout", "its blocks land in the KV rows, not in staging")
         return tuple(

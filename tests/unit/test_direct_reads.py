@@ -20,7 +20,8 @@ from certs import self_signed
 from readnodes import ReadNodes, block_key
 
 from kvstore.blockstore import direct, noderests, readlinks
-from kvstore.blockstore.direct import DirectReader, ReadBlocks, Spread
+from kvstore.blockstore.direct import DirectReader
+from kvstore.blockstore.readblocks import ReadBlocks, Spread
 from kvstore.blockstore.readlinks import Scatter
 from kvstore.blockstore.readserver import EngineReadServer
 from kvstore.blockstore.records import BlockLocation
