@@ -21,8 +21,9 @@ run, in alternating order:
   ``loads_in_place`` false);
 - direct, a node down: the plain direct read by a reader for which one storage node's read
   socket refuses (a node that died: nothing listens at its address): the blocks with a data
-  shard there come from parity (the data shards that landed kept, the parity asked for, the
-  lost rows rebuilt where they lie: ``kvstore.blockstore.inplace``);
+  shard there come from parity (the data shards that landed kept, the parity asked for in
+  the same round once the node rests, the lost rows rebuilt where they lie:
+  ``kvstore.blockstore.inplace``);
 - get_blocks: the existing client read with the lease, as the gateway does before it streams
   the blocks back (arrays in the client's arena);
 - get_blocks + copy: the same, then each block copied into a staging buffer (what an engine
@@ -277,6 +278,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "layers": args.layers,
             "reader": dict(reader.counters),
             "reader_a_node_down": dict(degraded.counters),
+            "reads_a_node_down": len(seconds["direct, a node down"]) + 1,  # with the warm-up
         }
     finally:
         dead.close()
@@ -325,7 +327,9 @@ def table(results: dict[str, Any]) -> str:
     lines.append(
         f"a node down: {down:.1f} ms, {down / results['rows']['direct']['median_ms']:.2f}x the "
         f"healthy read; {counted.get('decoded_blocks', 0)} of {counted.get('blocks', 0)} blocks "
-        f"decoded from parity ({counted.get('rebuilt_in_place', 0)} rebuilt where they lie), "
+        f"decoded from parity ({counted.get('rebuilt_in_place', 0)} rebuilt where they lie, "
+        f"{counted.get('second_rounds', 0)} of {results['reads_a_node_down']} reads in two "
+        "rounds), "
         f"{counted.get('shards_kept', 0)} data shards kept for them; "
         f"{per_block_kb(counted):.0f} KB received a block ({per_block_kb(healthy):.0f} healthy)"
     )

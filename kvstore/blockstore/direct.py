@@ -379,13 +379,22 @@ class DirectReader:
             read, _asks(read.placements[:, :k]), by_position=on_prefix is not None
         )
         plan = _Plan(read, requests, span, k, self.m, (read.view, slot_view, scratch[0]), sums)
+        # For the data shards that will not come (their node resting, or none to ask), as many
+        # parity shards are asked in the same exchange, after each node's data shards, each
+        # into an array of its own: the careful pass then has them at hand.
+        ahead: dict[tuple[int, int], np.ndarray] = {}
+        for node, asked in self._requests(read, _asks(_ahead(read.placements, k))).items():
+            requests.setdefault(node, []).extend(asked)
+        land_ahead = _into_arrays(ahead)
 
         def place(
             bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray, prefix: int
         ) -> tuple[Scatter, np.ndarray]:
             """Per served shard, in order: its prefix and header into its slot, its fragment's
             pieces where the read puts them, its padding into scratch; a shard that is not
-            this block's (another length) into scratch whole."""
+            this block's (another length) into scratch whole. Parity asked ahead: whole."""
+            if indices.size and indices[0] >= k:
+                return land_ahead(bs, indices, lengths, prefix)
             usual = plan.pieces(bs, lengths, prefix)
             if usual is not None:  # every shard asked served whole: the rows worked out
                 return Scatter((read.view, slot_view, scratch[0]), *usual), np.ones(len(bs), bool)
@@ -455,7 +464,8 @@ class DirectReader:
         def on_shards(got: list[Items]) -> None:
             nonlocal fresh
             for bs, indices in got:
-                landed[bs, indices] = True
+                data = indices < k
+                landed[bs[data], indices[data]] = True
             fresh = fresh or bool(got)
             if on_prefix is None:
                 return
@@ -470,7 +480,7 @@ class DirectReader:
         # A node far behind the others is given up on and its blocks decoded around it
         # (``noderests.Stragglers``), as many as the blocks' parity left can stand in for.
         lost = int((read.placements < 0).sum(axis=1).max(initial=0))
-        self._links.exchange(
+        got = self._links.exchange(
             requests,
             place,
             read.deadline,
@@ -485,7 +495,13 @@ class DirectReader:
         good = np.asarray(checked.all(axis=1))
         self.counters["fast_blocks"] += int(good.sum())
 
-        return good, in_use, Landed(heads, landed & (sums == 1), sizes, read.pieces)
+        came = {
+            (b, index): ahead[b, index]
+            for bs, indices in got
+            for b, index in zip(bs.tolist(), indices.tolist(), strict=True)
+            if index >= k
+        }
+        return good, in_use, Landed(heads, landed & (sums == 1), sizes, read.pieces, came)
 
     def _requests(
         self, read: _Read, asks: dict[int, Items], by_position: bool = False
@@ -515,41 +531,36 @@ class DirectReader:
         fast pass (checked there) and the rest, asked of their nodes now. Rebuilt in place
         where it can (``Landed.rebuild``), else each shard checked and decoded (``_decode``)."""
         width = self.k + self.m
-        landing: dict[tuple[int, int], np.ndarray] = {}
-
-        def place(
-            bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray, prefix: int
-        ) -> tuple[Scatter, np.ndarray]:
-            # Each shard into an array of its own (a view of one for the reply), its prefix
-            # into scratch.
-            whole = np.empty(int(lengths.sum()), np.uint8)
-            starts = np.cumsum(lengths) - lengths
-            for b, index, start, length in zip(
-                bs.tolist(), indices.tolist(), starts.tolist(), lengths.tolist(), strict=True
-            ):
-                landing[b, index] = whole[start : start + length]
-            which = np.tile(np.array([0, 1], np.int64), len(bs))
-            at = np.column_stack([np.zeros_like(starts), starts]).ravel()
-            length = np.column_stack([np.full_like(lengths, prefix), lengths]).ravel()
-            pieces = Scatter((bytearray(prefix), whole), which, at, length)
-            return pieces, np.ones(len(bs), bool)
-
-        rows = np.array(chosen, np.int64)
         stripes: dict[int, list[np.ndarray | None]] = {b: [None] * width for b in chosen}
+        for (b, index), shard in landed.ahead.items():
+            if b in stripes:
+                stripes[b][index] = shard
+        self.counters["shards_kept"] += int(landed.usable[chosen].sum())
+        # A block its parity asked ahead finishes needs no second round.
+        done = {
+            b
+            for b in chosen
+            if any(shard is not None for shard in stripes[b][self.k :])
+            and landed.rebuild(self._codec, b, read.keys[b].tobytes(), stripes[b], self.counters)
+        }
+        todo = [b for b in chosen if b not in done]
+        rows = np.array(todo, np.int64)
         placements = read.placements[rows]
         placements[np.isin(placements, list(self._links.down))] = -1  # down for this read
-        kept = landed.usable[rows]
-        placements[:, : self.k][kept] = -1  # at hand: not asked again
-        self.counters["shards_kept"] += int(kept.sum())
-        asks = _asks(placements, rows)
-        for bs, indices in self._links.exchange(self._requests(read, asks), place, read.deadline):
+        placements[:, : self.k][landed.usable[rows]] = -1  # at hand: not asked again
+        held = np.array([[shard is not None for shard in stripes[b]] for b in todo], bool)
+        placements[held.reshape(len(todo), width)] = -1  # came whole, asked ahead
+        landing: dict[tuple[int, int], np.ndarray] = {}
+        requests = self._requests(read, _asks(placements, rows))
+        self.counters["second_rounds"] += bool(requests)
+        for bs, indices in self._links.exchange(requests, _into_arrays(landing), read.deadline):
             for b, index in zip(bs.tolist(), indices.tolist(), strict=True):
                 stripes[b][index] = landing[b, index]
-        out = []
-        for b in chosen:
+        out = {b: True for b in done}
+        for b in todo:
             key = read.keys[b].tobytes()
             if landed.rebuild(self._codec, b, key, stripes[b], self.counters):
-                out.append(True)
+                out[b] = True
                 continue
             size = int(read.sizes[b])
             places = read.pieces(b, 0, size)
@@ -558,7 +569,7 @@ class DirectReader:
                 stripes[b][index] = shard
             trusted = held.keys()
             if len(places) == 1:
-                out.append(self._decode(key, size, stripes[b], places[0], trusted))
+                out[b] = self._decode(key, size, stripes[b], places[0], trusted)
                 continue
             whole = np.empty(size, np.uint8)  # decoded whole, then cut up as the read says
             decoded = self._decode(key, size, stripes[b], memoryview(whole), trusted)  # type: ignore[arg-type]
@@ -567,9 +578,9 @@ class DirectReader:
                 for spot in places:
                     spot[:] = memoryview(whole)[at : at + len(spot)]  # type: ignore[arg-type]
                     at += len(spot)
-            out.append(decoded)
-        self.counters["decoded_blocks"] += sum(out)
-        return out
+            out[b] = decoded
+        self.counters["decoded_blocks"] += sum(out.values())
+        return [out[b] for b in chosen]
 
     def _decode(
         self,
@@ -644,6 +655,40 @@ def _sums_hold(
         digest.update(zeros[:pad])
         out[row] = digest.digest() == head[:CHECKED_FROM].tobytes()
     return out
+
+
+def _ahead(placements: np.ndarray, k: int) -> np.ndarray:
+    """``placements`` with only the parity shards to ask ahead: per block, as many of its
+    first parity shards with a node as it has data shards with none (-1 elsewhere)."""
+    lacking = (placements[:, :k] < 0).sum(axis=1)
+    parity = placements[:, k:]
+    held = parity >= 0
+    out = np.full_like(placements, -1)
+    out[:, k:] = np.where(held & (np.cumsum(held, axis=1) <= lacking[:, None]), parity, -1)
+    return out
+
+
+def _into_arrays(
+    landing: dict[tuple[int, int], np.ndarray],
+) -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], tuple[Scatter, np.ndarray]]:
+    """A ``place`` that lands each served shard whole, in an array of its own (views of one a
+    reply), in ``landing`` by (block, stripe index); the reply's prefix into scratch."""
+
+    def place(
+        bs: np.ndarray, indices: np.ndarray, lengths: np.ndarray, prefix: int
+    ) -> tuple[Scatter, np.ndarray]:
+        whole = np.empty(int(lengths.sum()), np.uint8)
+        starts = np.cumsum(lengths) - lengths
+        for b, index, start, length in zip(
+            bs.tolist(), indices.tolist(), starts.tolist(), lengths.tolist(), strict=True
+        ):
+            landing[b, index] = whole[start : start + length]
+        which = np.tile(np.array([0, 1], np.int64), len(bs))
+        at = np.column_stack([np.zeros_like(starts), starts]).ravel()
+        length = np.column_stack([np.full_like(lengths, prefix), lengths]).ravel()
+        return Scatter((bytearray(prefix), whole), which, at, length), np.ones(len(bs), bool)
+
+    return place
 
 
 def _asks(placements: np.ndarray, rows: np.ndarray | None = None) -> dict[int, Items]:

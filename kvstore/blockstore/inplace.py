@@ -30,14 +30,21 @@ _WRITE = slice(24, 32)
 
 class Landed:
     """The data shards of a read's blocks that landed in place with their header and checksum
-    holding (``usable``: (n, k) bool), their headers (``heads``: (n, k, 64)), and where each
-    block's bytes went (``pieces``)."""
+    holding (``usable``: (n, k) bool), their headers (``heads``: (n, k, 64)), where each
+    block's bytes went (``pieces``), and the parity shards asked ahead that came whole, not
+    yet checked (``ahead``: (block, stripe index) -> shard)."""
 
     def __init__(
-        self, heads: np.ndarray, usable: np.ndarray, sizes: np.ndarray, pieces: Pieces
+        self,
+        heads: np.ndarray,
+        usable: np.ndarray,
+        sizes: np.ndarray,
+        pieces: Pieces,
+        ahead: dict[tuple[int, int], np.ndarray],
     ) -> None:
         self.heads = heads
         self.usable = usable
+        self.ahead = ahead
         self._sizes = sizes
         self._pieces = pieces
         self._k = usable.shape[1]

@@ -382,6 +382,47 @@ def test_a_node_down_is_decoded_around_from_parity(tier: ReadNodes, receive_in: 
     assert reader.counters["shards_served"] == served
     # Each rebuilt where its 9 rows lie, from those and a parity fragment (``inplace``).
     assert reader.counters["rebuilt_in_place"] == decoded
+    assert reader.counters["second_rounds"] == 1
+
+
+@pytest.mark.parametrize("by_layer", [False, True])
+def test_a_node_known_down_has_its_blocks_parity_asked_ahead(
+    tier: ReadNodes, receive_in: str, by_layer: bool
+) -> None:
+    """Once node 4 rests (it failed the last read), the next read asks each block with a data
+    shard there for its first parity shard in the same round as the data: no second round,
+    one parity shard a block, every block rebuilt where it lies. Layer-major and paced by
+    stripe position too, the parity after the data."""
+    blocks = _lease(tier)
+    reader, decoded = _read_with_node_4_down(tier)
+    before = dict(reader.counters)
+    spread, out = _layer_major(list(range(len(blocks))), len(blocks))
+    if not by_layer:
+        out = np.zeros(len(blocks) * SIZE, np.uint8)
+    told: list[int] = []
+
+    def on_prefix(nbytes: int, whole: np.ndarray) -> bool:
+        told.append(nbytes)
+        return False  # nothing handed on: the blocks not whole may still be decoded
+
+    ok = reader.read_into(
+        tier.capability(blocks),
+        blocks,
+        out,
+        spread=spread if by_layer else None,
+        on_prefix=on_prefix if by_layer else None,
+    )
+    assert ok == [True] * len(blocks)
+    if by_layer:
+        _check_layer_major(tier, blocks, spread, out, ok)
+        assert told
+    else:
+        _check(tier, blocks, out, ok)
+    counted = {name: reader.counters[name] - before.get(name, 0) for name in reader.counters}
+    assert counted["second_rounds"] == 0
+    assert counted["rebuilt_in_place"] == counted["decoded_blocks"] == decoded
+    served = sum(10 - (4 in b.placement[:10]) for b in blocks) + decoded
+    assert counted["shards_served"] == served
 
 
 def test_a_parity_shard_that_lies_about_its_write_never_lands_in_a_block(
