@@ -548,8 +548,8 @@ class DirectReader:
         placements = read.placements[rows]
         placements[np.isin(placements, list(self._links.down))] = -1  # down for this read
         placements[:, : self.k][landed.usable[rows]] = -1  # at hand: not asked again
-        held = np.array([[shard is not None for shard in stripes[b]] for b in todo], bool)
-        placements[held.reshape(len(todo), width)] = -1  # came whole, asked ahead
+        ahead = np.array([[shard is not None for shard in stripes[b]] for b in todo], bool)
+        placements[ahead.reshape(len(todo), width)] = -1  # came whole, asked ahead
         landing: dict[tuple[int, int], np.ndarray] = {}
         requests = self._requests(read, _asks(placements, rows))
         self.counters["second_rounds"] += bool(requests)
