@@ -29,10 +29,13 @@ holds: the header and checksum of a usual reply's shard in C as soon as it is wh
 landed since the last check (``_shardsums``), the one write over the block's shards here. Each
 byte is hashed once, as it would be by one hash of the block, and a block's first shards are
 known good before its last ones arrive. Anything else (a node down or refusing, a shard missing,
-short, damaged or of another write) sends the block to the careful path: every shard of it is
-read into an array of its own, each checked whole (``check_shard``: checksum, key, position,
-geometry, size), the shards grouped by write, and the block decoded from parity through the
-codec (ISA-L) into its place, then hashed against its write's payload hash. A block
+short, damaged or of another write) sends the block to the careful path, which asks the nodes
+for the shards it lacks (the parity of a data shard known not to come was asked in the first
+pass already, after the data). It rebuilds the lost rows where they lie, from the rows that
+landed and the parity (``inplace``), and hashes the block against the write its rows name;
+failing that, every shard of it is taken as an array of its own, each checked whole
+(``check_shard``: checksum, key, position, geometry, size), the shards grouped by write, and
+the block decoded through the codec (ISA-L) into its place, then hashed. A block
 that cannot be assembled that way is a miss (False): its bytes in the buffer are undefined,
 never handed out as a block. Once the caller has handed bytes on, a block that fails is a miss
 at once: decoding it into place would rewrite bytes that may be in use.
@@ -464,8 +467,8 @@ class DirectReader:
         def on_shards(got: list[Items]) -> None:
             nonlocal fresh
             for bs, indices in got:
-                data = indices < k
-                landed[bs[data], indices[data]] = True
+                if indices.size and indices[0] < k:  # parity asked ahead: not in place
+                    landed[bs, indices] = True
             fresh = fresh or bool(got)
             if on_prefix is None:
                 return
@@ -495,11 +498,11 @@ class DirectReader:
         good = np.asarray(checked.all(axis=1))
         self.counters["fast_blocks"] += int(good.sum())
 
-        came = {
+        came = {  # a request asks data shards or parity shards, never both
             (b, index): ahead[b, index]
             for bs, indices in got
+            if ahead and indices.size and indices[0] >= k
             for b, index in zip(bs.tolist(), indices.tolist(), strict=True)
-            if index >= k
         }
         return good, in_use, Landed(heads, landed & (sums == 1), sizes, read.pieces, came)
 
