@@ -65,7 +65,7 @@ import xxhash
 from kvstore.blockstore import readproto as proto
 from kvstore.blockstore.capability import ReadCapability
 from kvstore.blockstore.inplace import Landed
-from kvstore.blockstore.readblocks import ReadBlocks, Spread
+from kvstore.blockstore.readblocks import ReadBlocks, Spread, put_back
 from kvstore.blockstore.readlinks import (
     Items,
     NodeLinks,
@@ -577,10 +577,7 @@ class DirectReader:
             whole = np.empty(size, np.uint8)  # decoded whole, then cut up as the read says
             decoded = self._decode(key, size, stripes[b], memoryview(whole), trusted)  # type: ignore[arg-type]
             if decoded:
-                at = 0
-                for spot in places:
-                    spot[:] = memoryview(whole)[at : at + len(spot)]  # type: ignore[arg-type]
-                    at += len(spot)
+                put_back(whole, places)
             out[b] = decoded
         self.counters["decoded_blocks"] += sum(out.values())
         return [out[b] for b in chosen]

@@ -18,14 +18,19 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvstore.blockstore.readblocks import gathered, put_back
 from kvstore.ec.codec import Codec
-from kvstore.ec.shard import HEADER_BYTES, check_shard, fragment_length, payload_hash
+from kvstore.ec.shard import (
+    HEADER_BYTES,
+    PAYLOAD_HASH,
+    check_shard,
+    fragment_length,
+    payload_hash,
+)
 from kvstore.errors import ECError
 
 #: Where block ``b``'s bytes ``begin`` .. ``begin + nbytes`` lie in the read's buffer.
 Pieces = Callable[[int, int, int], list[memoryview]]
-#: The bytes of where the payload hash lies in a shard's header.
-_WRITE = slice(24, 32)
 
 
 class Landed:
@@ -81,7 +86,7 @@ class Landed:
         usable = np.flatnonzero(self.usable[b])
         if not usable.size:
             return False
-        writes = self.heads[b, usable, _WRITE]
+        writes = self.heads[b, usable, PAYLOAD_HASH]
         if (writes != writes[0]).any():
             return False
         write = writes[0].tobytes()
@@ -91,11 +96,7 @@ class Landed:
         if len(places) == 1:
             block = np.frombuffer(places[0], np.uint8)
         else:  # cut up (a layer-major load): rebuilt whole, then put back piece by piece
-            block = np.empty(size, np.uint8)
-            at = 0
-            for place in places:
-                block[at : at + len(place)] = np.frombuffer(place, np.uint8)
-                at += len(place)
+            block = gathered(places, size)
         present = set(usable.tolist())
         parity: dict[int, np.ndarray] = {}
         damaged = 0
@@ -107,7 +108,7 @@ class Landed:
             except ECError:
                 damaged += 1
                 continue
-            if shard[_WRITE].tobytes() != write:
+            if shard[PAYLOAD_HASH].tobytes() != write:
                 continue
             if index >= k:
                 parity[index] = shard[HEADER_BYTES:]
@@ -120,10 +121,7 @@ class Landed:
         if payload_hash(block) != write:
             return False
         if len(places) > 1:
-            at = 0
-            for place in places:
-                place[:] = block[at : at + len(place)].data
-                at += len(place)
+            put_back(block, places)
         counters["corrupt_shards"] += damaged
         counters["rebuilt_in_place"] += 1
         return True

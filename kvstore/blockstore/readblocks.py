@@ -116,3 +116,21 @@ class ReadBlocks:
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+
+def gathered(places: list[memoryview], size: int) -> np.ndarray:
+    """A block cut into ``places`` (``Spread.pieces``), copied whole into an array of its own."""
+    block = np.empty(size, np.uint8)
+    at = 0
+    for place in places:
+        block[at : at + len(place)] = np.frombuffer(place, np.uint8)
+        at += len(place)
+    return block
+
+
+def put_back(block: np.ndarray, places: list[memoryview]) -> None:
+    """``block`` (whole) cut up again into ``places``, in order."""
+    at = 0
+    for place in places:
+        place[:] = block[at : at + len(place)].data
+        at += len(place)
