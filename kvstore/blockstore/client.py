@@ -62,6 +62,7 @@ from kvstore.blockstore.records import (
     PutResult,
     PutStatus,
 )
+from kvstore.ec.buffers import payload_array
 from kvstore.errors import (
     InvalidArgument,
     NodeDraining,
@@ -90,6 +91,8 @@ class BlockStoreClient(BlockReads):
             )
         if len(set(checked)) != len(checked):
             raise InvalidArgument("keys", "must not repeat a key within one put")
+        # Checked before any key is reserved: a refusal after would leave them reserved.
+        arrays = [payload_array(payload) for payload in payloads]
         class_id = self.config.class_id(traffic_class)
         token = secrets.randbits(64)
         existing: list[BlockKey] = []
@@ -114,7 +117,7 @@ class BlockStoreClient(BlockReads):
         under: list[BlockKey] = []
         if granted:
             done, lost, under = self._write(
-                [checked[p] for p in granted], [payloads[p] for p in granted], class_id, token
+                [checked[p] for p in granted], [arrays[p] for p in granted], class_id, token
             )
             stored.extend(done)
             failed.extend(lost)

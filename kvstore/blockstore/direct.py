@@ -386,8 +386,9 @@ class DirectReader:
         # parity shards are asked in the same exchange, after each node's data shards, each
         # into an array of its own: the careful pass then has them at hand.
         ahead: dict[tuple[int, int], np.ndarray] = {}
-        for node, asked in self._requests(read, _asks(_ahead(read.placements, k))).items():
-            requests.setdefault(node, []).extend(asked)
+        if (read.placements[:, :k] < 0).any():  # a healthy read has none to ask ahead
+            for node, asked in self._requests(read, _asks(_ahead(read.placements, k))).items():
+                requests.setdefault(node, []).extend(asked)
         land_ahead = _into_arrays(ahead)
 
         def place(

@@ -64,6 +64,34 @@ def test_put_lookup_get_round_trip_is_bit_exact(tier: Tier) -> None:
     assert stats["bytes_by_class"]["agent"] > 0
 
 
+def test_a_put_of_stored_and_new_keys_writes_only_the_new_ones(tier: Tier) -> None:
+    keys = [_key(i) for i in range(12)]
+    payloads = [_payload(i, 9000) for i in range(12)]
+    stored_first = [0, 3, 4, 9]
+    first = tier.client.put_blocks(
+        [keys[i] for i in stored_first], [payloads[i] for i in stored_first]
+    )
+    assert first.ok
+    result = tier.client.put_blocks(keys, [_payload(100 + i, 9000) for i in range(12)])
+    assert sorted(result.existing) == sorted(keys[i] for i in stored_first)
+    fresh = [i for i in range(12) if i not in stored_first]
+    assert result.stored == [keys[i] for i in fresh] and not result.under_redundant
+    second = [_payload(100 + i, 9000) for i in range(12)]
+    want = [payloads[i] if i in stored_first else second[i] for i in range(12)]
+    got = tier.client.get_blocks(keys)
+    assert all(_same(g, w) for g, w in zip(got, want, strict=True))
+    assert tier.client.counters["degraded_blocks"] == 0  # each whole, from its data shards
+
+
+def test_a_payload_the_codec_refuses_gives_its_batchs_reservations_back(tier: Tier) -> None:
+    keys = [_key(i) for i in range(3)]
+    with pytest.raises(InvalidArgument, match="payload"):
+        tier.client.put_blocks(keys, [_payload(0), "not bytes", _payload(2)])
+    # Not left reserved by the failed call (another writer's reservation would say busy).
+    result = tier.client.put_blocks(keys, [_payload(i) for i in range(3)])
+    assert result.stored == keys and not result.busy
+
+
 def test_lookup_is_the_longest_consecutive_prefix_and_leases_only_it(tier: Tier) -> None:
     keys = [_key(i) for i in range(6)]
     tier.client.put_blocks([keys[i] for i in (0, 1, 2, 4, 5)], [_payload(i) for i in range(5)])
