@@ -73,6 +73,11 @@ from kvstore.pending import Pending
 
 log = logging.getLogger(__name__)
 
+#: How long a lookup waits for a suspected node's probe (``lookups``): a node that answers
+#: within it counts as up to lookups for the rest of its skip, one that does not as down (the
+#: lookup waited that long once).
+_PROBE_S = 0.25
+
 
 class BlockStoreClient(BlockReads):
     """Python client, usable from any process in the Ray cluster (or in-process in tests)."""
@@ -278,9 +283,35 @@ class BlockStoreClient(BlockReads):
         Keys travel as one (n, 4) uint64 array per call and come back as arrays: no Python
         object per key anywhere on this path (at 1,000 keys per request those objects, their
         pickling and the cyclic GC they feed were most of the cost)."""
+        # A node down on the word of one failed call alone (a timeout under load, a restart)
+        # is not taken for down here: with two nodes really down, one such node more would
+        # make every stripe look unreadable and the lookup hit nothing that a read would
+        # return (reads ask a skipped node when a block needs it). It is probed in the same
+        # round instead (``_PROBE_S`` at the most), and only if it fails that too are the
+        # blocks that need it cut from the hit.
+        suspects = self.suspects()
         lookups = self._start_lookups(requests)
         outcomes = gathered(self._fanout, lookups.tickets, self._timeout)
-        return outcomes.then(lambda answered: self._finish_lookups(lookups, answered))
+        if not suspects:
+            return outcomes.then(lambda answered: self._finish_lookups(lookups, answered))
+        probes = {
+            self._fanout.submit(node_target(node), StorageNodeCalls.holds, []): node
+            for node in suspects
+        }
+        parts: list[Pending[dict[Any, Any]]] = [outcomes, gathered(self._fanout, probes, _PROBE_S)]
+        return Pending.all(parts).then(
+            lambda both: self._finish_lookups(lookups, both[0], self._probed(probes, both[1]))
+        )
+
+    def _probed(self, probes: dict[Any, int], answers: dict[Any, Any]) -> set[int]:
+        """The suspects that failed their probe too (confirmed down now)."""
+        down = set()
+        for ticket, node in probes.items():
+            failed = isinstance(answers.get(ticket), NodeUnavailable | None)
+            self._vouch(node, not failed)
+            if failed:
+                down.add(node)
+        return down
 
     @property
     def _timeout(self) -> float:
@@ -290,9 +321,10 @@ class BlockStoreClient(BlockReads):
         self, requests: Sequence[tuple[Sequence[bytes] | np.ndarray, str | None]]
     ) -> _Lookups:
         """Send one ``lookup_wire`` per meta shard and traffic class for ``requests`` (the
-        deferred releases riding on them)."""
+        deferred releases riding on them), with the nodes confirmed down."""
         lookups = _Lookups([key_words(keys, "keys") for keys, _ in requests])
-        down = self.down_nodes()
+        down = self.confirmed_down()
+        lookups.down.update(down)
         by_class: dict[str | None, list[int]] = defaultdict(list)
         for index, (_, traffic_class) in enumerate(requests):
             by_class[traffic_class].append(index)
@@ -318,10 +350,14 @@ class BlockStoreClient(BlockReads):
         return lookups
 
     def _finish_lookups(
-        self, lookups: _Lookups, outcomes: dict[Ticket[tuple[Any, ...]], Any]
+        self,
+        lookups: _Lookups,
+        outcomes: dict[Ticket[tuple[Any, ...]], Any],
+        dead: set[int] | None = None,
     ) -> list[LookupResult]:
-        """The leading run of each request and a lease on it, from the shards' answers; what
-        was leased beyond a run is given back (deferred)."""
+        """The leading run of each request and a lease on it, from the shards' answers, cut
+        where a block needs one of ``dead`` (suspects that failed their probe: the meta
+        shards were not told); what was leased beyond a run is given back (deferred)."""
         results: list[LookupResult | None] = [None] * len(lookups.words)
         extras: list[tuple[np.ndarray, np.ndarray]] = []  # leased beyond a prefix: give back
         for group, (members, flat) in enumerate(lookups.groups):
@@ -340,6 +376,7 @@ class BlockStoreClient(BlockReads):
                     continue
                 reply = MetaReply.from_wire(wire)
                 self._learn_down(reply.down)
+                lookups.down.update(int(node) for node in reply.down)
                 readable[at] = reply.readable
                 placements[at] = reply.placements
                 sizes[at] = reply.sizes
@@ -347,12 +384,17 @@ class BlockStoreClient(BlockReads):
                     rows[at] = reply.rows
                 if reply.lease_until:
                     until[at] = reply.lease_until
+            leased = readable.copy()
+            if dead:
+                gone = np.fromiter(lookups.down | dead, np.int64)
+                alive = (placements >= 0) & ~np.isin(placements, gone)
+                readable &= alive.sum(axis=1) >= self._k
             start = 0
             for index in members:
                 end = start + lookups.words[index].shape[0]
                 misses = np.flatnonzero(~readable[start:end])
                 hit = int(misses[0]) if misses.size else end - start
-                beyond = np.flatnonzero(readable[start + hit : end]) + start + hit
+                beyond = np.flatnonzero(leased[start + hit : end]) + start + hit
                 if beyond.size:
                     extras.append((flat[beyond], rows[beyond]))
                 self.counters["lookups"] += 1
@@ -532,3 +574,5 @@ class _Lookups:
     words: list[np.ndarray]
     groups: list[tuple[list[int], np.ndarray]] = field(default_factory=list)
     tickets: dict[Ticket[tuple[Any, ...]], tuple[int, np.ndarray]] = field(default_factory=dict)
+    #: The nodes the lookups were told are down, and those the shards answered are.
+    down: set[int] = field(default_factory=set)

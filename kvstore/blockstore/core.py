@@ -67,6 +67,13 @@ class ClientCore:
         self._domains = FailureDomains.of_config(config.failure_domains, config.stripe_width)
         self._nodes = list(node_ids if node_ids is not None else range(config.storage_nodes))
         self._retry_at: dict[int, float] = {}
+        #: Nodes whose being down is more than one failed call: the cluster declared them, or
+        #: they failed again while skipped (asked as a last resort, or probed). A node down
+        #: on one failure alone is only suspected: a lookup probes it (``suspects``), and one
+        #: that answered (``_vouched``: for which skip, by its end) counts as up to lookups
+        #: until that skip is over (writes still leave it out: its failure may be theirs).
+        self._confirmed: set[int] = set()
+        self._vouched: dict[int, float] = {}
         #: Slow failures of each node in a row (calls that waited half a call timeout or more,
         #: no success between): the skip window doubles with each, so a node cut off for long
         #: (a partitioned host) costs a caller one call timeout now and then, not one every
@@ -103,8 +110,34 @@ class ClientCore:
         now = time.monotonic()
         return sorted(node for node, until in self._retry_at.items() if until > now)
 
+    def confirmed_down(self) -> list[int]:
+        """The nodes a lookup takes for down (see ``_confirmed``)."""
+        return [node for node in self.down_nodes() if node in self._confirmed]
+
+    def suspects(self) -> list[int]:
+        """Nodes skipped on the word of one failed call alone that no probe answered for yet
+        (a lookup probes them)."""
+        return [
+            node
+            for node in self.down_nodes()
+            if node not in self._confirmed and self._vouched.get(node) != self._retry_at[node]
+        ]
+
+    def _vouch(self, node: int, answered: bool) -> None:
+        """A probe of a suspected node: answered, it counts as up to lookups for the rest of
+        its skip; not, it is confirmed down."""
+        if answered:
+            self._vouched[node] = self._retry_at.get(node, 0.0)
+        else:
+            self._confirmed.add(node)
+
     def _mark_failed(self, node: int, waited_s: float = 0.0) -> None:
-        """``node`` failed a call that waited ``waited_s`` for it."""
+        """``node`` failed a call that waited ``waited_s`` for it; a second failure while it
+        is skipped confirms it down."""
+        if self._retry_at.get(node, 0.0) > time.monotonic():
+            self._confirmed.add(node)
+        else:
+            self._confirmed.discard(node)  # up until now: a suspicion, not yet a verdict
         row = 0
         if waited_s >= 0.5 * self.config.call_timeout_s:
             row = self._failures_in_a_row.get(node, 0) + 1
@@ -124,9 +157,15 @@ class ClientCore:
         return sorted(node for node, until in self._draining_until.items() if until > now)
 
     def _mark_ok(self, node: int, seconds: float, upper_bound: bool = False) -> None:
+        self._mark_up(node)
+        self._note_latency(node, seconds, upper_bound=upper_bound)
+
+    def _mark_up(self, node: int) -> None:
+        """``node`` answered: no longer skipped."""
         self._retry_at.pop(node, None)
         self._failures_in_a_row.pop(node, None)
-        self._note_latency(node, seconds, upper_bound=upper_bound)
+        self._confirmed.discard(node)
+        self._vouched.pop(node, None)
 
     def slow_nodes(self) -> set[int]:
         """Nodes much slower than the median (see ``_SLOW_FACTOR``): reads ask them last."""
@@ -193,6 +232,7 @@ class ClientCore:
         until = time.monotonic() + self.config.node_retry_s
         for node in nodes:
             self._retry_at[int(node)] = max(self._retry_at.get(int(node), 0.0), until)
+            self._confirmed.add(int(node))
 
     def _live_nodes(self) -> list[int]:
         down = set(self.down_nodes())

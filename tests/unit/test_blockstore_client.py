@@ -224,6 +224,45 @@ def test_a_node_skipped_as_down_is_asked_when_a_block_cannot_be_read_without_it(
     assert 9 not in tier.client.down_nodes()  # it answered: up again
 
 
+def test_a_lookup_probes_a_node_down_on_one_failed_call_instead_of_missing_its_blocks(
+    tmp_path: Path,
+) -> None:
+    # 12 nodes: every stripe has a shard on each. Two are declared down by the cluster, and a
+    # third failed one call a moment ago but answers now: every block is readable (10 of its
+    # 12 shards) and a read returns it, so the lookup must hit it too.
+    tier = Tier(tmp_path)
+    keys = [_key(i) for i in range(8)]
+    payloads = [_payload(i) for i in range(8)]
+    assert tier.client.put_blocks(keys, payloads).ok
+    for meta in tier.metas.values():
+        meta.mark_nodes(down=[0, 1])
+    tier.fanout.dead |= {(NODE, 0), (NODE, 1)}
+    tier.client._mark_failed(2)
+    found = tier.client.lookup(keys)
+    assert found.hit_blocks == 8 and found.lease is not None
+    got = tier.client.get_blocks(keys, found.lease)
+    assert all(_same(g, p) for g, p in zip(got, payloads, strict=True))
+    tier.client.release(found.lease)
+    # It answered its probe: lookups count it up for the rest of its skip without asking it
+    # again (writes still leave it out until then: a failed put may have been the reason).
+    again = tier.client.lookup(keys)
+    assert again.hit_blocks == 8
+    tier.client.release(again.lease)
+    assert tier.fanout.calls.count(((NODE, 2), "holds")) == 1
+    # A node that fails its probe too is down: the blocks that need it are not hit, and what
+    # the meta shards leased of them is given back.
+    tier.fanout.dead.add((NODE, 3))
+    tier.client._mark_failed(3)
+    assert tier.client.lookup(keys).hit_blocks == 0
+    tier.client.flush_releases()
+    assert _leased(tier) == set()
+    # Confirmed down now: the next lookup does not probe it again.
+    probes = tier.fanout.calls.count(((NODE, 3), "holds"))
+    assert probes == 1
+    assert tier.client.lookup(keys).hit_blocks == 0
+    assert tier.fanout.calls.count(((NODE, 3), "holds")) == probes
+
+
 def test_reads_rebuilt_from_parity_are_counted_as_degraded(tmp_path: Path) -> None:
     tier = Tier(tmp_path, nodes=14)
     keys = [_key(i) for i in range(40)]
