@@ -120,7 +120,7 @@ class ClientCore:
         return [
             node
             for node in self.down_nodes()
-            if node not in self._confirmed and self._vouched.get(node) != self._retry_at[node]
+            if node not in self._confirmed and self._vouched.get(node) != self._retry_at.get(node)
         ]
 
     def _vouch(self, node: int, answered: bool) -> None:
