@@ -189,7 +189,9 @@ class BlockStoreClient(BlockReads):
                     self._note_unavailable(node, outcome, time.monotonic() - started)
                     acks = np.zeros(len(positions), bool)
                 else:
-                    self._mark_ok(node, time.monotonic() - started)
+                    # Taken with the others after one wait: a bound, not the node's time (the
+                    # node sent to first would look the slowest).
+                    self._mark_ok(node, time.monotonic() - started, upper_bound=True)
                     acks = _acks(outcome, len(positions))
                 rows = held[positions]
                 held[positions] = np.where(rows == node, -1, rows)  # replaced, or in doubt

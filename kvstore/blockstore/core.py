@@ -84,6 +84,8 @@ class ClientCore:
         #: a draining node still serves what it holds).
         self._draining_until: dict[int, float] = {}
         self._latency: dict[int, float] = {}
+        #: Nodes whose estimate only bounds have set (``_note_latency``): never counted slow.
+        self._bounded_only: set[int] = set()
         #: Recent read durations by size class (``_size_class``): the hedge waits for the
         #: ``hedge_percentile`` of these.
         self._read_times: dict[int, deque[float]] = {}
@@ -169,12 +171,17 @@ class ClientCore:
 
     def slow_nodes(self) -> set[int]:
         """Nodes much slower than the median (see ``_SLOW_FACTOR``): reads ask them last."""
+        return set(self.slow_estimates())
+
+    def slow_estimates(self) -> dict[int, float]:
+        """The slow nodes (``slow_nodes``) and their latency estimates, in seconds."""
         latency = dict(self._latency)  # a copy: the gateway's threads add nodes meanwhile
         if len(latency) < 2:
-            return set()
+            return {}
         median = float(np.median(list(latency.values())))
         threshold = max(_SLOW_FACTOR * median, median + _SLOW_MARGIN_S)
-        return {node for node, v in latency.items() if v > threshold}
+        bounded = set(self._bounded_only)
+        return {node: v for node, v in latency.items() if v > threshold and node not in bounded}
 
     def _note_latency(
         self, node: int, seconds: float, lower_bound: bool = False, upper_bound: bool = False
@@ -189,16 +196,28 @@ class ClientCore:
         until all its calls answered): the node answered within that time, maybe long before,
         so it only lowers the estimate. Folded in as a time, a reader's own stall (descheduled,
         or waiting on a hung node) raised every node's estimate at once, and a node known slow
-        fell under twice the median and was asked, and hedged, again."""
+        fell under twice the median and was asked, and hedged, again.
+        An estimate that only bounds have set says how slow the node was at most, never that
+        it is slow: such a node is not counted slow (``slow_estimates``), and its first time or
+        lower bound replaces the estimate. (A put's times are bounds, its calls taken together;
+        the first node sent to waits for the sends to all the others, and on a busy host its
+        bound alone made it slow, where the reads then asked a node that never answers.)"""
         previous = self._latency.get(node)
-        if previous is None:
-            self._latency[node] = seconds
-        elif lower_bound:
-            self._latency[node] = max(previous, seconds)
-        elif upper_bound and seconds >= previous:
-            return  # answered within ``seconds``: no news
+        if upper_bound:
+            if previous is None:
+                self._bounded_only.add(node)
+            elif seconds >= previous:
+                return  # answered within ``seconds``: no news
+            else:
+                seconds = (1 - _EWMA) * previous + _EWMA * seconds
+        elif previous is not None and node not in self._bounded_only:
+            if lower_bound:
+                seconds = max(previous, seconds)
+            else:
+                seconds = (1 - _EWMA) * previous + _EWMA * seconds
         else:
-            self._latency[node] = (1 - _EWMA) * previous + _EWMA * seconds
+            self._bounded_only.discard(node)
+        self._latency[node] = seconds
 
     @staticmethod
     def _size_class(blocks: int) -> int:

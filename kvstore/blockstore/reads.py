@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,17 +138,20 @@ class BlockReads(ClientCore):
 
     @staticmethod
     def _rank(
-        placement: Sequence[int], asked: set[int], down: set[int], slow: set[int]
+        placement: Sequence[int], asked: set[int], down: set[int], slow: Mapping[int, float]
     ) -> list[int]:
         """Stripe indices worth asking, best first: healthy data shards (then the block is a
-        plain concatenation), then parity; slow nodes last."""
+        plain concatenation), then parity; slow nodes (``slow``: their latency estimates)
+        last, the slowest of them last of all. When more nodes are slow than the block has
+        parity some must be asked, and asking them in placement order asked a node that never
+        answers before ones a few milliseconds slow: a hedge every read."""
         candidates = [
             index
             for index, node in enumerate(placement)
             if node >= 0 and index not in asked and node not in down
         ]
         if slow:
-            candidates.sort(key=lambda index: placement[index] in slow)
+            candidates.sort(key=lambda index: slow.get(placement[index], 0.0))
         return candidates
 
     def _fetch(
@@ -197,7 +200,7 @@ class BlockReads(ClientCore):
         answered: list[set[int]] = [set() for _ in range(n)]  # calls that came back (or failed)
         have = np.zeros(n, dtype=np.int64)
         outstanding = np.zeros(n, dtype=np.int64)
-        slow = self.slow_nodes()
+        slow = self.slow_estimates()
         calls: dict[Ticket[tuple[np.ndarray, np.ndarray]], _Call] = {}
 
         def ask(wanted: dict[int, int]) -> None:
@@ -382,7 +385,7 @@ class BlockReads(ClientCore):
         for position in positions:
             location = locations[position]
             assert location is not None
-            for index in self._rank(location.placement, answered[position], down, set()):
+            for index in self._rank(location.placement, answered[position], down, {}):
                 per_node[location.placement[index]].append((position, index))
         tickets = {
             self._fanout.submit(

@@ -350,8 +350,7 @@ def test_a_node_that_stays_slow_costs_one_hedge_not_one_per_probe(tmp_path: Path
     tier.fanout.hung.add((NODE, _data_holders(key, 12)[0]))
     for _ in range(200):
         assert _same(tier.client.get_blocks([key])[0], payload)
-    # One hedge at most: none when the puts' timings already ranked the node last (then the
-    # first probe finds it slow).
+    # One hedge at most: the first read's, which finds the node hung.
     assert tier.client.stats().get("hedged_reads", 0) <= 1
 
 
@@ -378,6 +377,55 @@ def test_a_reader_that_stalls_does_not_bring_a_node_known_slow_back(tmp_path: Pa
         assert _same(tier.client.get_blocks([key])[0], payload)
     assert tier.client.stats().get("hedged_reads", 0) == 1  # the first read's, no other
     assert tier.client.stats()["slow_nodes"] == [hung]
+
+
+def test_a_puts_times_never_make_a_node_slow(tmp_path: Path) -> None:
+    # A put's node calls are taken together after one wait: each node's time only bounds its
+    # latency, and the node sent to first waits for the sends to all the others. Taken as
+    # times (a busy host: ~0.5 ms a send), the first nodes sent to counted slow, and with more
+    # nodes slow than a block has parity the reads asked a hung one among them: a hedge a read.
+    tier = Tier(tmp_path)
+    submit, sent = tier.fanout.submit, []
+
+    def a_slow_send(target: Any, method: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if method.__name__ == "put":
+            if len(sent) == 1:
+                time.sleep(0.02)  # the second send is late: the first node's answer waits
+            sent.append(target)
+        return submit(target, method, *args, **kwargs)
+
+    tier.fanout.submit = a_slow_send  # type: ignore[method-assign]
+    key, payload = _key(1), _payload(1)
+    assert tier.client.put_blocks([key], [payload]).ok
+    tier.fanout.submit = submit  # type: ignore[method-assign]
+    assert tier.client.stats()["slow_nodes"] == []
+    # A time (an answer the reader waited for alone) replaces the bounds, and counts: 5 ms
+    # where the others took 20 us is slow.
+    for node in range(12):
+        tier.client._note_latency(node, 0.005 if node == 3 else 20e-6)
+    assert tier.client.stats()["slow_nodes"] == [3]
+
+
+def test_a_read_asks_the_slowest_of_the_slow_nodes_last(tmp_path: Path) -> None:
+    # More nodes slow than the block has parity: some of them must be asked, and they are the
+    # least slow ones; the hung node (slowest of all) is not, and no read waits for a hedge.
+    tier = Tier(tmp_path)
+    key, payload = _key(1), _payload(1)
+    tier.client.put_blocks([key], [payload])
+    holders = _data_holders(key, 12)
+    hung = holders[0]  # first in placement order: a read that ignores the estimates asks it
+    tier.fanout.hung.add((NODE, hung))
+    for node in range(12):
+        tier.client._note_latency(node, 0.004 if node in holders[1:4] else 20e-6)
+    tier.client._note_latency(hung, 0.03, lower_bound=True)
+    assert tier.client.slow_nodes() == {hung, *holders[1:4]}
+    # The client's first read also probes each slow node (one in 8 does), and waits for none.
+    assert _same(tier.client.get_blocks([key])[0], payload)
+    before = len(tier.fanout.calls)
+    for _ in range(5):
+        assert _same(tier.client.get_blocks([key])[0], payload)
+    assert tier.client.stats().get("hedged_reads", 0) == 0
+    assert ((NODE, hung), "get") not in tier.fanout.calls[before:]
 
 
 def test_the_hedge_waits_for_the_typical_tail_of_reads_of_that_size(tmp_path: Path) -> None:
