@@ -203,21 +203,19 @@ class ClientCore:
         the first node sent to waits for the sends to all the others, and on a busy host its
         bound alone made it slow, where the reads then asked a node that never answers.)"""
         previous = self._latency.get(node)
-        if upper_bound:
-            if previous is None:
+        if previous is None or (node in self._bounded_only and not upper_bound):
+            # The first estimate, or a time or lower bound where only bounds had set it.
+            if upper_bound:
                 self._bounded_only.add(node)
-            elif seconds >= previous:
-                return  # answered within ``seconds``: no news
             else:
-                seconds = (1 - _EWMA) * previous + _EWMA * seconds
-        elif previous is not None and node not in self._bounded_only:
-            if lower_bound:
-                seconds = max(previous, seconds)
-            else:
-                seconds = (1 - _EWMA) * previous + _EWMA * seconds
+                self._bounded_only.discard(node)
+            self._latency[node] = seconds
+        elif lower_bound:
+            self._latency[node] = max(previous, seconds)
+        elif upper_bound and seconds >= previous:
+            return  # answered within ``seconds``: no news
         else:
-            self._bounded_only.discard(node)
-        self._latency[node] = seconds
+            self._latency[node] = (1 - _EWMA) * previous + _EWMA * seconds
 
     @staticmethod
     def _size_class(blocks: int) -> int:
