@@ -132,10 +132,24 @@ class Case:
     nbytes: int  # payload bytes per batch
     seconds: list[float] = dataclasses.field(default_factory=list)
     cpu: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: (role, pid) -> CPU seconds of one process of a role of several (the storage nodes, the
+    #: meta shards): the busiest process bounds the pace where each has a core of its own.
+    by_process: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def add_cpu(self, role: str, seconds: float) -> None:
         self.cpu[role] = self.cpu.get(role, 0.0) + seconds
+
+    def add_process_cpu(self, role: str, pid: int, seconds: float) -> None:
+        self.by_process[role, pid] = self.by_process.get((role, pid), 0.0) + seconds
+
+    def busiest(self) -> dict[str, float]:
+        """Per role, the CPU seconds of its busiest process (a role of one process, the client
+        or redis-server: its own)."""
+        most: dict[str, float] = {}
+        for (role, _), seconds in self.by_process.items():
+            most[role] = max(most.get(role, 0.0), seconds)
+        return {role: most.get(role, total) for role, total in self.cpu.items()}
 
     def summary(self) -> dict[str, Any]:
         if not self.seconds:
@@ -149,6 +163,7 @@ class Case:
             "batches": len(self.seconds),
             "gb_moved": moved,
             "cpu_s_per_gb": {role: s / moved for role, s in sorted(self.cpu.items())},
+            "busiest_cpu_s_per_gb": {role: s / moved for role, s in self.busiest().items()},
             "notes": self.notes,
         }
 
@@ -201,10 +216,14 @@ class PhaseCpu:
         elsewhere = time.monotonic() - self.started - sum(ours.seconds[self.batches_before :])
         for role, values in after.items():
             start, rest = self.before[role], self.rest.get(role, {})
-            spent = sum(
-                v - start[p] - rest.get(p, 0.0) * elsewhere for p, v in values.items() if p in start
-            )
-            ours.add_cpu(role, max(0.0, spent))
+            each = {
+                p: v - start[p] - rest.get(p, 0.0) * elsewhere
+                for p, v in values.items()
+                if p in start
+            }
+            ours.add_cpu(role, max(0.0, sum(each.values())))
+            for pid, seconds in each.items():  # a rest taken off may leave a hair below zero
+                ours.add_process_cpu(role, pid, max(0.0, seconds))
         end = proc_cpu(self.redis_pid)
         if peer is not None and self.redis_before is not None and end is not None:
             peer.add_cpu("redis-server", end - self.redis_before)
