@@ -51,10 +51,10 @@ storage-node actor processes (pids from ``StorageNode.stats()['pid']``, else by 
 Targets, exit status 1 if one is missed (each printed with its issue, met / NOT met). Issue 17:
 put 111 KiB and 1.35 MiB >= 1.0x Redis SET; get 111 KiB >= 1.0x Redis GET, get 1.35 MiB >= 2.0x
 Redis GET; get with 2 nodes killed >= 0.8x normal get (both sizes). Issue 32: put 111 KiB >= 0.8x
-the disk ceiling, in GB/s on this machine and per core (the pace where every process of the run,
-the client, each storage node, each meta shard, has a core of its own: 1 / the busiest one's
-CPU-s per GB: a bound set by CPU alone; one writer on its own also waits for each put's
-replies), and <= 4 CPU-s per GB over all processes (kvstore total); get, direct 111 KiB
+the disk ceiling, in GB/s on this machine and per core, and <= 4 CPU-s per GB over all processes
+(kvstore total). Per core is the pace if every process of the run (the client, each storage
+node, each meta shard) had a core of its own, 1 / the busiest one's CPU-s per GB: a bound set by
+CPU alone, as one writer on its own also waits for each put's replies. Get, direct 111 KiB
 >= 1.0x Redis GET, in GB/s on this machine and per client core (the Redis client's CPU-s per GB
 over the direct reader's): the second is what a deployment sees, with the 12 nodes on machines
 of their own instead of sharing this machine's cores with the reader (Redis is one process
